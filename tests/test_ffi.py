@@ -1,0 +1,209 @@
+"""The binding against the real default model: tokenization, decoding, sampling, memory, errors."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+import ffi
+
+PROMPT = "The three primary colors are"
+
+
+def generate(
+    model: ffi.Model, context: ffi.Context, prompt: list[int], n: int, params: ffi.SamplingParams, seq: int = 0
+) -> list[int]:
+    """Plain single-sequence generation loop over the binding."""
+    with ffi.Batch(max(len(prompt), 1)) as batch, ffi.Sampler(params, model.vocab.n_tokens) as sampler:
+        index = batch.add_run(prompt, 0, seq, logits_last=True)
+        context.decode(batch)
+        out: list[int] = []
+        pos = len(prompt)
+        for _ in range(n):
+            token = sampler.sample(context, index)
+            out.append(token)
+            batch.clear()
+            index = batch.add(token, pos, seq, logits=True)
+            pos += 1
+            context.decode(batch)
+    context.seq_rm(seq)
+    return out
+
+
+@pytest.fixture
+def context(model: ffi.Model):
+    with ffi.Context(model, n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=2) as ctx:
+        yield ctx
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello, world! 123", "Crème brûlée à la façon de Zoë", "日本語のテキストと中文", "llama 🦙 and 👩‍👩‍👧 family"],
+)
+def test_tokenize_round_trip(model: ffi.Model, text: str) -> None:
+    tokens = model.vocab.tokenize(text, add_special=False)
+    assert tokens
+    assert model.vocab.detokenize(tokens) == text
+    detok = ffi.Detokenizer(model.vocab)
+    assert detok.feed_all(tokens) + detok.flush() == text
+
+
+def test_special_tokens_parse_only_when_asked(model: ffi.Model) -> None:
+    text = "<|im_start|>user"
+    parsed = model.vocab.tokenize(text, add_special=False, parse_special=True)
+    plain = model.vocab.tokenize(text, add_special=False, parse_special=False)
+    assert len(parsed) < len(plain)
+    assert model.vocab.is_control(parsed[0])
+
+
+def test_detokenizer_holds_split_emoji(model: ffi.Model) -> None:
+    emoji = "🦙"  # four UTF-8 bytes
+    tokens = model.vocab.tokenize(emoji, add_special=False)
+    pieces = [model.vocab.piece(t) for t in tokens]
+    assert b"".join(pieces) == emoji.encode()
+    assert len(tokens) > 1, "the test needs a character split across tokens"
+    detok = ffi.Detokenizer(model.vocab)
+    outputs = [detok.feed(t) for t in tokens]
+    assert outputs[:-1] == [""] * (len(tokens) - 1)
+    assert outputs[-1] == emoji
+    assert detok.flush() == ""
+
+
+def test_detokenizer_replaces_invalid_bytes_at_flush(model: ffi.Model) -> None:
+    detok = ffi.Detokenizer(model.vocab)
+    assert detok.feed_bytes("🦙".encode()[:2]) == ""
+    assert detok.flush() == "\ufffd"
+
+
+def test_greedy_is_deterministic_across_runs_and_contexts(model: ffi.Model, context: ffi.Context) -> None:
+    prompt = model.vocab.tokenize(PROMPT)
+    greedy = ffi.SamplingParams(temperature=0)
+    first = generate(model, context, prompt, 32, greedy)
+    second = generate(model, context, prompt, 32, greedy)
+    with ffi.Context(model, n_ctx=512, n_batch=64, n_seq_max=1, n_threads=2) as other:
+        third = generate(model, other, prompt, 32, greedy)
+    assert len(first) == 32
+    assert first == second == third
+
+
+def test_seed_reproduces_and_differs(model: ffi.Model, context: ffi.Context) -> None:
+    prompt = model.vocab.tokenize(PROMPT)
+    a = generate(model, context, prompt, 24, ffi.SamplingParams(temperature=1.0, seed=1234))
+    b = generate(model, context, prompt, 24, ffi.SamplingParams(temperature=1.0, seed=1234))
+    c = generate(model, context, prompt, 24, ffi.SamplingParams(temperature=1.0, seed=4321))
+    assert a == b
+    assert a != c
+
+
+def test_two_sequences_in_one_batch_match_solo_runs(model: ffi.Model, context: ffi.Context) -> None:
+    prompts = [model.vocab.tokenize(PROMPT), model.vocab.tokenize("Once upon a time, in a small village,")]
+    greedy = ffi.SamplingParams(temperature=0)
+    solo = [generate(model, context, p, 20, greedy) for p in prompts]
+
+    samplers = [ffi.Sampler(greedy, model.vocab.n_tokens) for _ in prompts]
+    batch = ffi.Batch(64)
+    index = [batch.add_run(p, 0, seq, logits_last=True) for seq, p in enumerate(prompts)]
+    context.decode(batch)
+    pos = [len(p) for p in prompts]
+    together: list[list[int]] = [[], []]
+    for _ in range(20):
+        tokens = [samplers[seq].sample(context, index[seq]) for seq in range(2)]
+        batch.clear()
+        for seq, token in enumerate(tokens):
+            together[seq].append(token)
+            index[seq] = batch.add(token, pos[seq], seq, logits=True)
+            pos[seq] += 1
+        context.decode(batch)
+    batch.close()
+    for s in samplers:
+        s.close()
+    assert together == solo
+
+
+def test_removing_a_sequence_frees_its_cells(model: ffi.Model, context: ffi.Context) -> None:
+    before = context.cells_used()
+    prompt = model.vocab.tokenize(PROMPT)
+    with ffi.Batch(len(prompt)) as batch:
+        batch.add_run(prompt, 0, 1, logits_last=True)
+        context.decode(batch)
+    assert context.cells_used() == before + len(prompt)
+    assert context.seq_cells(1) == len(prompt)
+    assert context.seq_rm(1)
+    assert context.cells_used() == before
+    assert context.seq_pos_max(1) == -1
+
+
+def test_penalties_and_logit_bias_steer_sampling(model: ffi.Model, context: ffi.Context) -> None:
+    prompt = model.vocab.tokenize(PROMPT)
+    plain = generate(model, context, prompt, 8, ffi.SamplingParams(temperature=0))
+    banned = plain[0]
+    biased = generate(model, context, prompt, 8, ffi.SamplingParams(temperature=0, logit_bias={banned: -100.0}))
+    assert banned not in biased
+
+
+def test_missing_model_raises(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ffi.ModelLoadError, match="not found"):
+        ffi.Model(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf_raises(tmp_path: pathlib.Path) -> None:
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"this is not a model" * 100)
+    with pytest.raises(ffi.ModelLoadError, match="not a GGUF"):
+        ffi.Model(bogus)
+
+
+def test_truncated_gguf_raises(tmp_path: pathlib.Path, model_path: pathlib.Path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    with open(model_path, "rb") as src:
+        truncated.write_bytes(src.read(2 * 1024 * 1024))
+    with pytest.raises(ffi.ModelLoadError):
+        ffi.Model(truncated)
+
+
+def test_close_is_idempotent_and_use_after_close_raises(model_path: pathlib.Path) -> None:
+    model = ffi.Model(model_path)
+    context = ffi.Context(model, n_ctx=256, n_batch=32, n_threads=1)
+    sampler = ffi.Sampler(ffi.SamplingParams(), model.vocab.n_tokens)
+    batch = ffi.Batch(8)
+    batch.add(model.vocab.bos, 0, 0, logits=True)
+    model.close()  # closes the context made from it too
+    model.close()
+    assert context.closed
+    context.close()
+    sampler.close()
+    sampler.close()
+    batch.close()
+    batch.close()
+    with pytest.raises(ffi.ClosedError):
+        model.vocab.tokenize("x")
+    with pytest.raises(ffi.ClosedError):
+        context.cells_used()
+    with pytest.raises(ffi.ClosedError):
+        sampler.reset()
+    with pytest.raises(ffi.ClosedError):
+        batch.add(1, 0, 0, logits=False)
+    with pytest.raises(ffi.ClosedError):
+        ffi.Context(model)
+
+
+def test_chat_template_renders_content_as_text(model: ffi.Model) -> None:
+    template = ffi.ChatTemplate(model.chat_template)
+    evil = "{{ 7 * 7 }} {% for x in range(3) %}x{% endfor %} {{ ''.__class__.__mro__ }}"
+    prompt = template.render([{"role": "user", "content": evil}])
+    assert evil in prompt
+    assert "49" not in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_chat_template_sandbox_blocks_escape() -> None:
+    template = ffi.ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ffi.TemplateError):
+        template.render([{"role": "user", "content": "hi"}])
+
+
+def test_builtin_template_fallback() -> None:
+    template = ffi.ChatTemplate(None)  # no template in the model: chatml via llama.cpp
+    prompt = template.render([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
