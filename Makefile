@@ -10,8 +10,9 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 ARGS ?=
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: setup run test bench lint llama ffi clean
+.PHONY: setup run test bench bench-binding lint llama ffi clean
 
 setup: ffi $(VENV)/.model
 
@@ -36,6 +37,11 @@ run: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Our binding's plain generation loop vs llama.cpp's llama-batched-bench (built on first use);
+# BENCH_ARGS="--runs 3" etc. Writes bench/results/binding.json.
+bench-binding: setup
+	$(PY) -m bench.binding $(BENCH_ARGS)
 
 lint: setup
 	$(PY) -m ruff check ffi server tests bench build_ffi.py

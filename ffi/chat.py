@@ -63,14 +63,12 @@ class ChatTemplate:
                 raise
             except jinja2.exceptions.SecurityError as exc:
                 raise TemplateError(f"chat template tried an unsafe operation: {exc}") from None
-            except Exception as exc:  # noqa: BLE001 - any render failure falls back
+            except Exception as exc:
                 logger.warning("chat template failed to render (%s); using llama.cpp's", exc)
         return apply_builtin_template(self.source, messages, add_generation_prompt)
 
 
-def apply_builtin_template(
-    template: str, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool
-) -> str:
+def apply_builtin_template(template: str, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:
     """llama.cpp's own renderer, which recognises well-known templates by their text or name."""
     keep: list[Any] = []
     chat = ffi.new("llama_chat_message[]", len(messages))

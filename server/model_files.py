@@ -29,5 +29,7 @@ def default_model_path() -> pathlib.Path:
     resource = importlib.resources.files(package) / DEFAULT_MODEL_FILE
     with importlib.resources.as_file(resource) as path:
         if not path.is_file():
-            raise DefaultModelMissing(f"{DEFAULT_MODEL_FILE} is missing from {DEFAULT_MODEL_PACKAGE}; run: {INSTALL_HINT}")
+            raise DefaultModelMissing(
+                f"{DEFAULT_MODEL_FILE} is missing from {DEFAULT_MODEL_PACKAGE}; run: {INSTALL_HINT}"
+            )
         return path

@@ -1,0 +1,605 @@
+"""The engine: one trio task that owns a llama.cpp context and runs continuous batching.
+
+Public API::
+
+    async with open_engine(model, EngineConfig(...)) as engine:
+        async with engine.submit(job) as stream:     # a sequence is ours inside this block
+            async for piece in stream:
+                ...
+
+Each decode step, the engine task admits queued jobs into free sequences (keeping the cells of
+the longest cached prompt prefix), builds one batch (one token per decoding sequence plus
+prompt chunks, see ``scheduler.plan_step``), runs decode + sampling in a worker thread, and
+delivers one ``Piece`` per sequence into that job's bounded channel with ``send_nowait``. A job
+whose channel is full is skipped (paused) until its reader catches up. Leaving ``submit``'s
+block for any reason releases the job: the engine drops it before its next step and frees its
+KV cells.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+import ffi
+from server import scheduler
+
+logger = logging.getLogger(__name__)
+
+
+# -- jobs, pieces and errors ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to generate: prompt tokens, how to sample, when to stop."""
+
+    prompt: Sequence[int]
+    sampling: ffi.SamplingParams = field(default_factory=ffi.SamplingParams)
+    max_tokens: int | None = None  # None: until end of generation or the sequence's context ends
+    stop: Sequence[str] = ()
+    logprobs: bool = False  # reserved for a later feature; accepted, not yet produced
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A delivery to a stream: new text and the tokens behind it. The last piece of a job has
+    ``finish_reason`` ("stop" or "length") and ``usage``; the others have neither."""
+
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class EngineError(Exception):
+    """Base for errors a job can end with. ``code`` is the OpenAI-style error code."""
+
+    code = "engine_error"
+    status = 500
+
+
+class Overloaded(EngineError):
+    """The queue is full; retry later."""
+
+    code = "overloaded"
+    status = 503
+
+
+class ShuttingDown(EngineError):
+    """The server is draining or stopping: the job was refused, dropped from the queue, or cut."""
+
+    code = "server_shutting_down"
+    status = 503
+
+
+class ContextLengthExceeded(EngineError):
+    """The prompt does not fit in one sequence's context."""
+
+    code = "context_length_exceeded"
+    status = 400
+
+
+class EngineFailure(EngineError):
+    """llama.cpp failed to decode a step that included this job."""
+
+    code = "engine_failure"
+    status = 500
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    GENERATE = "generate"
+
+
+# -- configuration and statistics ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_parallel: int = 4
+    n_ctx: int = 8192  # KV cells in all; each sequence has its own n_ctx // n_parallel
+    n_batch: int = 512  # tokens per decode step, decoding tokens and prompt chunks together
+    n_threads: int = 2
+    max_queue: int = 64
+    # Pieces buffered per job before its sequence pauses; a reader this far behind is slow.
+    channel_size: int = 32
+
+
+@dataclass
+class EngineStats:
+    queued: int = 0
+    active: int = 0
+    paused: int = 0
+    kv_cells_used: int = 0  # all cells in use, as llama.cpp reports them
+    kv_cells_cached: int = 0  # of those, held by idle sequences for prefix reuse
+    prompt_tokens: int = 0  # processed (not counting cached ones)
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    last_step_seconds: float = 0.0
+    requests_finished: int = 0
+    cancellations: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
+
+
+# -- one request in the engine ---------------------------------------------------------------
+
+
+class _Request:
+    __slots__ = (
+        "job",
+        "send",
+        "receive",
+        "phase",
+        "released",
+        "slot",
+        "sampler",
+        "detok",
+        "stops",
+        "n_past",
+        "n_prompt_done",
+        "n_generated",
+        "cached_tokens",
+        "pending",
+        "max_pos",
+        "paused",
+        "submitted_at",
+        "first_token_at",
+    )
+
+    def __init__(self, job: Job, channel_size: int) -> None:
+        self.job = job
+        self.send, self.receive = trio.open_memory_channel[Piece | EngineError](channel_size)
+        self.phase: Phase | None = Phase.QUEUED  # None once finished or counted as cancelled
+        self.released = False
+        self.slot: _Slot | None = None
+        self.sampler: ffi.Sampler | None = None
+        self.detok: ffi.Detokenizer | None = None
+        self.stops = scheduler.StopMatcher(job.stop)
+        self.n_past = 0  # tokens of this sequence in KV
+        self.n_prompt_done = 0
+        self.n_generated = 0
+        self.cached_tokens = 0
+        self.pending: int | None = None  # sampled token to decode next step
+        self.max_pos = 0
+        self.paused = False
+        self.submitted_at = time.monotonic()
+        self.first_token_at: float | None = None
+
+    def channel_full(self) -> bool:
+        stats = self.send.statistics()
+        return stats.current_buffer_used >= stats.max_buffer_size
+
+
+class _Slot:
+    __slots__ = ("seq_id", "cached", "request", "last_used")
+
+    def __init__(self, seq_id: int) -> None:
+        self.seq_id = seq_id
+        self.cached: list[int] = []  # tokens whose KV cells this sequence holds, in order
+        self.request: _Request | None = None
+        self.last_used = 0
+
+
+# -- the stream a caller reads ---------------------------------------------------------------
+
+
+class Stream:
+    """Pieces of one job, in order. Iterating raises the ``EngineError`` the job ended with.
+
+    *Cancellation*: cancelling a task blocked in iteration is safe; the job keeps its sequence
+    until ``submit``'s block is left, which releases it.
+    """
+
+    def __init__(self, engine: Engine, request: _Request) -> None:
+        self._engine = engine
+        self._request = request
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._request.job.prompt)
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Piece:
+        request = self._request
+        try:
+            item = await request.receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        if request.paused:
+            self._engine._wake()
+        if isinstance(item, EngineError):
+            raise item
+        return item
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+
+class Engine:
+    """Owns one ``ffi.Context`` with ``n_parallel`` sequences and the task that drives it.
+
+    Create it with ``open_engine``; ``run`` is its task. All llama.cpp calls on the context
+    happen in that task or in the worker thread it waits for, never concurrently.
+    """
+
+    def __init__(self, model: ffi.Model, config: EngineConfig) -> None:
+        if config.n_parallel < 1 or config.n_parallel > config.n_ctx:
+            raise ValueError("n_parallel must be between 1 and n_ctx")
+        self.model = model
+        self.config = config
+        self.vocab = model.vocab
+        self.context = ffi.Context(
+            model,
+            n_ctx=config.n_ctx,
+            n_batch=config.n_batch,
+            n_seq_max=config.n_parallel,
+            n_threads=config.n_threads,
+            # One KV stream per sequence: a sequence's cells sit at the same places whatever
+            # runs beside it, so greedy output does not depend on the other streams (with a
+            # unified buffer, attention sums run in a layout-dependent order and can differ).
+            kv_unified=False,
+        )
+        self.n_ctx_seq = self.context.n_ctx_seq
+        self._batch = ffi.Batch(config.n_batch)
+        self._slots = [_Slot(i) for i in range(config.n_parallel)]
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._wakeup = trio.Event()
+        self._accepting = True
+        self._tick = 0
+        self.stats = EngineStats()
+        self._closed = False
+
+    # -- caller side -------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def submit(self, job: Job) -> AsyncIterator[Stream]:
+        """Queue ``job``; inside the block, iterate the returned ``Stream`` for its pieces.
+
+        Raises ``ContextLengthExceeded`` when the prompt cannot fit in a sequence, ``Overloaded``
+        when the queue is full, ``ShuttingDown`` when the engine no longer admits jobs.
+
+        *Cancellation*: leaving the block for any reason — normal end, exception, or
+        cancellation (a client that went away) — releases the job. A queued job is never
+        decoded; a running one is dropped before the engine's next decode step, its KV cells
+        freed and its sequence reusable.
+        """
+        if not job.prompt:
+            raise ValueError("empty prompt")
+        if len(job.prompt) >= self.n_ctx_seq:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(job.prompt)} tokens; a sequence holds at most {self.n_ctx_seq - 1} "
+                "prompt tokens (plus room to generate)"
+            )
+        if not self._accepting:
+            raise ShuttingDown("server is shutting down")
+        if len(self._queue) >= self.config.max_queue:
+            raise Overloaded("the request queue is full; retry later")
+        request = _Request(job, self.config.channel_size)
+        self._queue.append(request)
+        self.stats.queued = len(self._queue)
+        self._wake()
+        try:
+            yield Stream(self, request)
+        finally:
+            request.released = True
+            request.receive.close()
+            self._wake()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    # -- shutdown hooks for the lifecycle ------------------------------------------------------
+
+    def stop_admitting(self) -> None:
+        """New ``submit`` calls raise ``ShuttingDown``; queued and running jobs continue."""
+        self._accepting = False
+
+    def fail_queued(self, error: EngineError) -> None:
+        """End every queued job with ``error`` now (they never decode)."""
+        while self._queue:
+            request = self._queue.popleft()
+            self._end_with_error(request, error)
+        self.stats.queued = 0
+
+    def abort_all(self, error: EngineError) -> None:
+        """End every queued and running job with ``error``; running jobs' cells are freed at
+        the engine's next step."""
+        self.fail_queued(error)
+        for slot in self._slots:
+            if slot.request is not None:
+                self._end_with_error(slot.request, error)
+        self._wake()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue) or any(s.request is not None for s in self._slots)
+
+    # -- the engine task -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The engine loop; runs until cancelled. Idle (no CPU) while there is nothing to do.
+
+        *Cancellation*: a decode step in progress is waited for (its worker thread holds the
+        context and is never abandoned); then the loop ends. Jobs still running get
+        ``ShuttingDown``.
+        """
+        task_status.started()
+        try:
+            while True:
+                self._reap()
+                self._admit()
+                plan = self._plan()
+                if not plan:
+                    self._update_stats()
+                    await self._wakeup.wait()
+                    self._wakeup = trio.Event()
+                    continue
+                started = time.perf_counter()
+                try:
+                    sampled = await trio.to_thread.run_sync(self._step, plan)
+                except ffi.DecodeError as exc:
+                    self._fail_step(plan, exc)
+                    continue
+                self.stats.decode_steps += 1
+                self.stats.last_step_seconds = time.perf_counter() - started
+                self._deliver(sampled)
+                self._update_stats()
+        finally:
+            # No checkpoints here: this runs to completion even while cancelled.
+            self.abort_all(ShuttingDown("server is shutting down"))
+            self._reap()
+
+    def _reap(self) -> None:
+        """Drop released jobs: queued ones leave the queue, running ones free their cells."""
+        if any(r.released for r in self._queue):
+            for request in [r for r in self._queue if r.released]:
+                self._queue.remove(request)
+                self._count_cancel(request)
+            self.stats.queued = len(self._queue)
+        for slot in self._slots:
+            request = slot.request
+            if request is not None and request.released:
+                self._count_cancel(request)
+                self._free_slot(slot, keep_cache=False)
+
+    def _count_cancel(self, request: _Request) -> None:
+        if request.phase is not None:
+            self.stats.cancellations[request.phase.value] += 1
+            request.phase = None
+
+    def _free_slot(self, slot: _Slot, *, keep_cache: bool) -> None:
+        request = slot.request
+        slot.request = None
+        if request is not None and request.sampler is not None:
+            request.sampler.close()
+            request.sampler = None
+        if not keep_cache:
+            self.context.seq_rm(slot.seq_id)
+            slot.cached.clear()
+
+    def _admit(self) -> None:
+        free = [s for s in self._slots if s.request is None]
+        while free and self._queue:
+            request = self._queue.popleft()
+            prompt = request.job.prompt
+            choice = scheduler.pick_slot([s.cached for s in free], [s.last_used for s in free], prompt)
+            slot = free.pop(choice.index)
+            reuse = choice.reuse
+            if reuse < len(slot.cached) and not self.context.seq_rm(slot.seq_id, reuse, -1):
+                self.context.seq_rm(slot.seq_id)
+                reuse = 0
+            del slot.cached[reuse:]
+            self._tick += 1
+            slot.last_used = self._tick
+            slot.request = request
+            request.slot = slot
+            request.phase = Phase.PREFILL
+            request.n_past = reuse
+            request.n_prompt_done = reuse
+            request.cached_tokens = reuse
+            request.max_pos = self.n_ctx_seq
+            request.sampler = ffi.Sampler(request.job.sampling, self.vocab.n_tokens)
+            request.detok = ffi.Detokenizer(self.vocab)
+            self.stats.cached_tokens += reuse
+        self.stats.queued = len(self._queue)
+
+    def _plan(self) -> list[scheduler.PlanEntry]:
+        decoding: list[int] = []
+        prefilling: list[tuple[int, int]] = []
+        paused = 0
+        for i, slot in enumerate(self._slots):
+            request = slot.request
+            if request is None or request.released:
+                continue
+            if request.phase is Phase.GENERATE:
+                request.paused = request.channel_full()
+                if request.paused:
+                    paused += 1
+                elif request.pending is not None:
+                    decoding.append(i)
+            elif request.phase is Phase.PREFILL:
+                prefilling.append((i, len(request.job.prompt) - request.n_prompt_done))
+        # Prompt chunks in arrival order: the earliest-admitted slot first.
+        prefilling.sort(key=lambda entry: self._slots[entry[0]].last_used)
+        self.stats.paused = paused
+        return scheduler.plan_step(decoding, prefilling, self.config.n_batch)
+
+    def _step(self, plan: list[scheduler.PlanEntry]) -> list[tuple[_Slot, int]]:
+        """Worker thread: fill the batch, decode, sample. Touches only what the loop is not
+        touching while it waits for this thread."""
+        batch = self._batch
+        batch.clear()
+        to_sample: list[tuple[_Slot, int]] = []
+        for entry in plan:
+            slot = self._slots[entry.slot]
+            request = slot.request
+            assert request is not None
+            if entry.prefill:
+                start = request.n_prompt_done
+                chunk = request.job.prompt[start : start + entry.n_tokens]
+                last = start + entry.n_tokens == len(request.job.prompt)
+                index = batch.add_run(chunk, request.n_past, slot.seq_id, logits_last=last)
+                if last:
+                    to_sample.append((slot, index))
+            else:
+                assert request.pending is not None
+                index = batch.add(request.pending, request.n_past, slot.seq_id, logits=True)
+                to_sample.append((slot, index))
+        self.context.decode(batch)
+        # Bookkeeping of what is now in KV, then sampling.
+        for entry in plan:
+            slot = self._slots[entry.slot]
+            request = slot.request
+            assert request is not None
+            if entry.prefill:
+                start = request.n_prompt_done
+                slot.cached.extend(request.job.prompt[start : start + entry.n_tokens])
+                request.n_prompt_done += entry.n_tokens
+                request.n_past += entry.n_tokens
+            else:
+                slot.cached.append(request.pending)  # type: ignore[arg-type]
+                request.n_past += 1
+                request.pending = None
+        out: list[tuple[_Slot, int]] = []
+        for slot, index in to_sample:
+            request = slot.request
+            assert request is not None and request.sampler is not None
+            out.append((slot, request.sampler.sample(self.context, index)))
+        return out
+
+    def _deliver(self, sampled: list[tuple[_Slot, int]]) -> None:
+        now = time.monotonic()
+        vocab = self.vocab
+        for slot, token in sampled:
+            request = slot.request
+            if request is None:
+                continue
+            if request.phase is Phase.PREFILL:
+                request.phase = Phase.GENERATE
+                request.first_token_at = now
+                self.stats.prompt_tokens += len(request.job.prompt) - request.cached_tokens
+            if request.released:
+                continue  # reaped before the next step
+            request.n_generated += 1
+            self.stats.generated_tokens += 1
+            detok = request.detok
+            assert detok is not None
+            finish: str | None = None
+            stopped = False
+            if vocab.is_eog(token):
+                text, tokens, finish = "", (), "stop"
+            else:
+                tokens = (token,)
+                text, stopped = request.stops.feed(detok.feed(token))
+                if stopped:
+                    finish = "stop"
+                elif request.job.max_tokens is not None and request.n_generated >= request.job.max_tokens:
+                    finish = "length"
+                elif request.n_past >= request.max_pos:
+                    finish = "length"  # the sequence's context is full
+            if finish is None:
+                request.pending = token
+                if text:
+                    self._send(request, Piece(text, tokens))
+                continue
+            if not stopped:  # release what the detokenizer and the stop matcher still hold
+                tail, stopped = request.stops.feed(detok.flush())
+                text += tail if stopped else tail + request.stops.flush()
+            usage = Usage(len(request.job.prompt), request.n_generated, request.cached_tokens)
+            self._send(request, Piece(text, tokens, finish, usage))
+            request.send.close()
+            request.phase = None
+            self.stats.requests_finished += 1
+            self._free_slot(slot, keep_cache=True)
+
+    def _send(self, request: _Request, item: Piece | EngineError) -> None:
+        try:
+            request.send.send_nowait(item)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            request.released = True  # the reader is gone
+        except trio.WouldBlock:  # pragma: no cover - _plan never schedules a full channel
+            logger.error("delivery to a full channel; dropping the job")
+            request.released = True
+
+    def _end_with_error(self, request: _Request, error: EngineError) -> None:
+        if request.send.statistics().current_buffer_used >= request.send.statistics().max_buffer_size:
+            # Make room: the error matters more than text the reader has not taken yet.
+            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
+                request.receive.receive_nowait()
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            request.send.send_nowait(error)
+        request.send.close()
+        request.released = True
+
+    def _fail_step(self, plan: list[scheduler.PlanEntry], exc: ffi.DecodeError) -> None:
+        logger.error("decode failed: %s; ending the %d jobs in that step", exc, len(plan))
+        for entry in plan:
+            request = self._slots[entry.slot].request
+            if request is not None:
+                self._end_with_error(request, EngineFailure(f"decoding failed: {exc}"))
+
+    def _update_stats(self) -> None:
+        stats = self.stats
+        stats.active = sum(1 for s in self._slots if s.request is not None)
+        stats.queued = len(self._queue)
+        used = cached = 0
+        for slot in self._slots:
+            cells = self.context.seq_cells(slot.seq_id)
+            used += cells
+            if slot.request is None:
+                cached += cells
+        stats.kv_cells_used = used
+        stats.kv_cells_cached = cached
+
+    def close(self) -> None:
+        """Free the context, batch and samplers. Idempotent; call only after ``run`` ended."""
+        if self._closed:
+            return
+        self._closed = True
+        for slot in self._slots:
+            if slot.request is not None and slot.request.sampler is not None:
+                slot.request.sampler.close()
+            slot.request = None
+        self._batch.close()
+        self.context.close()
+
+
+@contextlib.asynccontextmanager
+async def open_engine(model: ffi.Model, config: EngineConfig) -> AsyncIterator[Engine]:
+    """Create an engine, run its task in a nursery, and close it when the block ends.
+
+    *Cancellation*: leaving the block cancels the engine task, waits for any decode step in
+    progress, ends remaining jobs with ``ShuttingDown``, then frees the context.
+    """
+    engine = await trio.to_thread.run_sync(Engine, model, config)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            try:
+                yield engine
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        engine.close()

@@ -1,0 +1,118 @@
+"""Pure scheduling logic for the engine: no IO, no llama.cpp, testable on its own.
+
+- ``common_prefix`` / ``pick_slot``: which free sequence to give a new job so that the most
+  prompt tokens already in its KV cells can be kept.
+- ``plan_step``: what one decode step carries — one token for every decoding sequence, then
+  prompt chunks of prefilling sequences in arrival order, within the batch budget.
+- ``StopMatcher``: stop strings that may span token boundaries, holding back text that could
+  still turn out to be the start of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    index: int  # position in the candidates given to ``pick_slot``
+    reuse: int  # prompt tokens whose KV cells are kept
+
+
+def pick_slot(cached: Sequence[Sequence[int]], last_used: Sequence[int], prompt: Sequence[int]) -> SlotChoice:
+    """Choose among free slots (their cached tokens and last-use ticks) for ``prompt``.
+
+    The slot with the longest usable prefix wins; with no match anywhere, the least recently
+    used slot is taken, so that recent conversations keep their cache longest. At least the last
+    prompt token is always recomputed, because its logits are needed to sample.
+    """
+    if not cached:
+        raise ValueError("no free slot")
+    best, best_len = -1, 0
+    for i, tokens in enumerate(cached):
+        n = common_prefix(tokens, prompt)
+        if n > best_len or (n == best_len and n > 0 and last_used[i] > last_used[best]):
+            best, best_len = i, n
+    if best < 0:
+        best = min(range(len(cached)), key=lambda i: last_used[i])
+    return SlotChoice(best, min(best_len, max(len(prompt) - 1, 0)))
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    slot: int
+    n_tokens: int  # 1 for a decoding slot; a chunk length for a prefilling one
+    prefill: bool
+
+
+def plan_step(decoding: Sequence[int], prefilling: Sequence[tuple[int, int]], budget: int) -> list[PlanEntry]:
+    """Plan one batch of at most ``budget`` tokens.
+
+    ``decoding`` lists slots that need one token each; ``prefilling`` lists (slot, prompt tokens
+    still to process) in arrival order. Decoding slots go first so that a long prompt never
+    stalls running streams; the rest of the budget goes to prompt chunks, oldest first.
+    """
+    plan = [PlanEntry(slot, 1, False) for slot in decoding[:budget]]
+    left = budget - len(plan)
+    for slot, remaining in prefilling:
+        if left <= 0:
+            break
+        n = min(remaining, left)
+        if n > 0:
+            plan.append(PlanEntry(slot, n, True))
+            left -= n
+    return plan
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string; never emits a stop string or text after it.
+
+    ``feed(text)`` returns ``(safe_text, stopped)``: text that can no longer be part of a stop
+    string is released; a suffix that might begin one is held until the next piece decides.
+    ``flush()`` releases what is held when generation ends for another reason.
+    """
+
+    __slots__ = ("_stops", "_held", "_longest")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+        self._longest = max((len(s) for s in self._stops), default=0)
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        cut = -1
+        for stop in self._stops:
+            i = buf.find(stop)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+        if cut >= 0:
+            self._held = ""
+            return buf[:cut], True
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
+        for k in range(min(len(buf), self._longest - 1), 0, -1):
+            tail = buf[-k:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held

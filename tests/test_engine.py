@@ -1,0 +1,283 @@
+"""The engine with the real model: batching, cancellation, backpressure, stops, prefix reuse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+
+import ffi
+from server.engine import ContextLengthExceeded, Engine, EngineConfig, Job, Overloaded, open_engine
+
+GREEDY = ffi.SamplingParams(temperature=0)
+PROMPTS = [
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The capital of France is",
+]
+
+
+@dataclass
+class Result:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    pieces: int = 0
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+
+async def collect(engine: Engine, job: Job) -> Result:
+    result = Result()
+    async with engine.submit(job) as stream:
+        async for piece in stream:
+            result.text += piece.text
+            result.tokens += piece.tokens
+            result.pieces += 1
+            if piece.finish_reason:
+                result.finish_reason = piece.finish_reason
+                assert piece.usage is not None
+                result.cached_tokens = piece.usage.cached_tokens
+    return result
+
+
+def job(model: ffi.Model, prompt: str, n: int = 24, **kw: object) -> Job:
+    return Job(prompt=model.vocab.tokenize(prompt), sampling=GREEDY, max_tokens=n, **kw)  # type: ignore[arg-type]
+
+
+async def wait_until(predicate, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+async def settle(engine: Engine) -> None:
+    """Wait until the engine has nothing to do and its statistics are current."""
+    await wait_until(lambda: not engine.busy)
+    await trio.sleep(0.05)
+    engine._wake()
+    await trio.sleep(0.05)
+
+
+CONFIG = EngineConfig(n_parallel=4, n_ctx=4096, n_batch=64, n_threads=2)
+
+
+@pytest.fixture
+async def engine(model: ffi.Model):
+    async with open_engine(model, CONFIG) as engine:
+        yield engine
+
+
+async def test_concurrent_greedy_equals_sequential(model: ffi.Model, engine: Engine) -> None:
+    jobs = [job(model, p, 32) for p in PROMPTS]
+    sequential = [await collect(engine, j) for j in jobs]
+    concurrent: list[Result | None] = [None] * len(jobs)
+
+    async def run(i: int) -> None:
+        concurrent[i] = await collect(engine, jobs[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(jobs)):
+            nursery.start_soon(run, i)
+    assert [r.tokens for r in concurrent] == [r.tokens for r in sequential]  # type: ignore[union-attr]
+    assert all(r.finish_reason == "length" and len(r.tokens) == 32 for r in sequential)
+
+
+async def test_cancel_mid_generation_frees_everything(model: ffi.Model, engine: Engine) -> None:
+    undisturbed = job(model, PROMPTS[0], 48)
+    solo = await collect(engine, undisturbed)
+    steps_at_cancel = 0
+    beside: Result | None = None
+
+    async def run_beside() -> None:
+        nonlocal beside
+        beside = await collect(engine, undisturbed)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_beside)
+        async with engine.submit(job(model, PROMPTS[1], 500)) as stream:
+            received = 0
+            async for _ in stream:
+                received += 1
+                if received == 5:
+                    break
+            steps_at_cancel = engine.stats.decode_steps
+    await settle(engine)
+    assert beside is not None and beside.tokens == solo.tokens
+    assert engine.stats.active == 0
+    assert engine.stats.kv_cells_used == engine.stats.kv_cells_cached  # only idle prefix caches
+    assert engine.stats.cancellations["generate"] == 1
+    # The cancelled job did not keep decoding: it generated about as many tokens as it was read.
+    assert engine.stats.generated_tokens <= 2 * 48 + 5 + 2
+    assert engine.stats.decode_steps - steps_at_cancel <= 48 + 1
+
+
+async def test_cancel_during_prefill(model: ffi.Model, engine: Engine) -> None:
+    long_prompt = model.vocab.tokenize("word " * 700)[:600]  # 10 chunks of 64
+    undisturbed = job(model, PROMPTS[2], 24)
+    solo = await collect(engine, undisturbed)
+    beside: Result | None = None
+
+    async def run_beside() -> None:
+        nonlocal beside
+        beside = await collect(engine, undisturbed)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_beside)
+        with trio.move_on_after(30):
+            async with engine.submit(Job(long_prompt, GREEDY, max_tokens=4)):
+                start = engine.stats.decode_steps
+                await wait_until(lambda: engine.stats.decode_steps >= start + 3)
+                # cancelled here, mid-prefill
+    prompt_tokens_before = engine.stats.prompt_tokens
+    await settle(engine)
+    assert beside is not None and beside.tokens == solo.tokens
+    assert engine.stats.cancellations["prefill"] == 1
+    assert engine.stats.active == 0
+    assert engine.stats.kv_cells_used == engine.stats.kv_cells_cached
+    assert engine.stats.prompt_tokens == prompt_tokens_before  # the long prompt never completed
+
+
+async def test_cancel_while_queued_never_decodes(model: ffi.Model) -> None:
+    async with open_engine(model, EngineConfig(n_parallel=1, n_ctx=1024, n_batch=64, n_threads=2)) as engine:
+        running = job(model, PROMPTS[0], 16)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect, engine, running)
+            await wait_until(lambda: engine.stats.active == 1)
+            with trio.move_on_after(0.05):
+                async with engine.submit(job(model, PROMPTS[1], 16)):
+                    assert engine.stats.queued == 1
+                    await trio.sleep_forever()
+        await settle(engine)
+        steps = engine.stats.decode_steps
+        assert engine.stats.cancellations["queued"] == 1
+        assert engine.stats.prompt_tokens == len(running.prompt)  # only the running job's prompt
+        assert engine.stats.generated_tokens == 16
+        await trio.sleep(0.2)
+        assert engine.stats.decode_steps == steps
+        assert engine.stats.active == 0 and engine.stats.queued == 0
+
+
+async def test_queue_full_is_overloaded(model: ffi.Model) -> None:
+    config = EngineConfig(n_parallel=1, n_ctx=1024, n_batch=64, n_threads=2, max_queue=1)
+    async with open_engine(model, config) as engine:
+        async with engine.submit(job(model, PROMPTS[0], 200)):
+            await wait_until(lambda: engine.stats.active == 1)
+            async with engine.submit(job(model, PROMPTS[1], 8)):
+                with pytest.raises(Overloaded):
+                    async with engine.submit(job(model, PROMPTS[2], 8)):
+                        pass  # pragma: no cover
+
+
+async def test_long_prompt_interleaves_with_running_stream(model: ffi.Model, engine: Engine) -> None:
+    long_prompt = model.vocab.tokenize("word " * 700)[: CONFIG.n_batch * 8]
+    events: list[str] = []
+
+    async def runner() -> None:
+        async with engine.submit(job(model, PROMPTS[0], 200)) as stream:
+            async for _ in stream:
+                events.append("run")
+
+    async def long_job() -> None:
+        async with engine.submit(Job(long_prompt, GREEDY, max_tokens=2)) as stream:
+            events.append("submit-long")
+            async for _ in stream:
+                events.append("long")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runner)
+        await wait_until(lambda: events.count("run") >= 3)
+        nursery.start_soon(long_job)
+    first_long = events.index("long")
+    submitted = events.index("submit-long")
+    # The running stream kept receiving tokens while the 8 chunks of the long prompt ran.
+    assert events[submitted:first_long].count("run") >= 6
+
+
+async def test_slow_consumer_does_not_slow_a_fast_one(model: ffi.Model, engine: Engine) -> None:
+    slow_read = 0
+    fast_done_at_slow_count: int | None = None
+    paused_seen = False
+
+    async def slow() -> None:
+        nonlocal slow_read, paused_seen
+        async with engine.submit(job(model, PROMPTS[1], 400)) as stream:
+            async for _ in stream:
+                slow_read += 1
+                paused_seen = paused_seen or engine.stats.paused > 0
+                if fast_done_at_slow_count is not None and slow_read > 3:
+                    break
+                await trio.sleep(0.2)
+
+    async def fast() -> None:
+        nonlocal fast_done_at_slow_count
+        result = await collect(engine, job(model, PROMPTS[0], 120))
+        assert len(result.tokens) == 120
+        fast_done_at_slow_count = slow_read
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(slow)
+        nursery.start_soon(fast)
+    assert fast_done_at_slow_count is not None and fast_done_at_slow_count < 30
+    assert paused_seen
+
+
+async def test_stop_string_across_tokens(model: ffi.Model, engine: Engine) -> None:
+    full = await collect(engine, job(model, PROMPTS[1], 40))
+    # A stop string that spans the boundary between two generated tokens.
+    pieces = [model.vocab.piece(t).decode() for t in full.tokens]
+    offset = len(pieces[0]) + len(pieces[1]) + len(pieces[2])
+    stop = full.text[offset - 2 : offset + 2]
+    assert len(stop) == 4
+    first = full.text.find(stop)
+    cut = await collect(engine, job(model, PROMPTS[1], 40, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:first]
+    assert stop not in cut.text
+    # A stop string whose beginning appears but which never completes is released in full.
+    never = full.text[offset - 2 : offset + 2] + "\x00never"
+    whole = await collect(engine, job(model, PROMPTS[1], 40, stop=[never]))
+    assert whole.text == full.text and whole.finish_reason == "length"
+
+
+async def test_end_of_generation_token_stops(model: ffi.Model, engine: Engine) -> None:
+    template = ffi.ChatTemplate(model.chat_template)
+    prompt = template.render([{"role": "user", "content": "Say hello."}])
+    result = await collect(engine, Job(model.vocab.tokenize(prompt, parse_special=True), GREEDY, max_tokens=200))
+    assert result.finish_reason == "stop"
+    assert 0 < len(result.tokens) < 200
+    assert "<|im_end|>" not in result.text
+
+
+async def test_prompt_too_long_for_a_sequence(model: ffi.Model, engine: Engine) -> None:
+    with pytest.raises(ContextLengthExceeded):
+        async with engine.submit(Job([1] * engine.n_ctx_seq, GREEDY)):
+            pass  # pragma: no cover
+
+
+async def test_context_full_ends_with_length(model: ffi.Model) -> None:
+    async with open_engine(model, EngineConfig(n_parallel=1, n_ctx=64, n_batch=32, n_threads=2)) as engine:
+        prompt = model.vocab.tokenize(PROMPTS[1])
+        result = await collect(engine, Job(prompt, GREEDY, max_tokens=None))
+        n_ctx_seq = engine.n_ctx_seq  # llama.cpp rounds small contexts up (to 256 cells)
+    assert result.finish_reason == "length"
+    assert len(prompt) + len(result.tokens) == n_ctx_seq + 1  # every cell used; the last token is never decoded
+
+
+async def test_prefix_reuse(model: ffi.Model) -> None:
+    shared = model.vocab.tokenize("Here is a long shared system prompt about many things. " * 20)[:200]
+    first = Job([*shared, *model.vocab.tokenize(" First question: what is red?", add_special=False)], GREEDY, 16)
+    second = Job(
+        [*shared, *model.vocab.tokenize(" Second question: why is the sky blue?", add_special=False)], GREEDY, 16
+    )
+    async with open_engine(model, CONFIG) as engine:
+        cold = await collect(engine, second)
+    async with open_engine(model, CONFIG) as engine:
+        await collect(engine, first)
+        warm = await collect(engine, second)
+        await settle(engine)
+        assert engine.stats.kv_cells_cached > 0
+    assert cold.cached_tokens == 0
+    assert warm.cached_tokens >= 190
+    assert warm.tokens == cold.tokens

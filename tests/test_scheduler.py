@@ -1,0 +1,88 @@
+"""Pure scheduling logic, without a model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from server.scheduler import PlanEntry, StopMatcher, common_prefix, pick_slot, plan_step
+
+
+def test_common_prefix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+
+
+def test_pick_slot_prefers_longest_prefix_and_keeps_one_token_to_compute() -> None:
+    cached = [[9, 9], [1, 2, 3, 4], [1, 2]]
+    choice = pick_slot(cached, [5, 1, 7], [1, 2, 3, 4])
+    assert choice.index == 1
+    assert choice.reuse == 3  # the last prompt token is recomputed for its logits
+
+
+def test_pick_slot_without_match_takes_least_recently_used() -> None:
+    choice = pick_slot([[5], [6], [7]], [3, 1, 2], [1, 2])
+    assert choice == type(choice)(1, 0)
+
+
+def test_pick_slot_breaks_ties_by_recency() -> None:
+    choice = pick_slot([[1, 2, 3], [1, 2, 4]], [1, 2], [1, 2, 9])
+    assert choice.index == 1 and choice.reuse == 2
+
+
+def test_plan_puts_decoders_first_then_chunks_in_order() -> None:
+    plan = plan_step([0, 2], [(1, 100), (3, 10)], budget=64)
+    assert plan == [PlanEntry(0, 1, False), PlanEntry(2, 1, False), PlanEntry(1, 62, True)]
+    plan = plan_step([], [(1, 10), (3, 10)], budget=64)
+    assert plan == [PlanEntry(1, 10, True), PlanEntry(3, 10, True)]
+
+
+def test_plan_respects_budget_and_empty() -> None:
+    assert plan_step([], [], 64) == []
+    assert len(plan_step(list(range(10)), [(11, 5)], 4)) == 4
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = []
+    for piece in pieces:
+        text, stopped = matcher.feed(piece)
+        out.append(text)
+        if stopped:
+            return "".join(out), True
+    out.append(matcher.flush())
+    return "".join(out), False
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "expected", "stopped"),
+    [
+        (["Hello ", "wor", "ld!"], ["world"], "Hello ", True),
+        (["Hel", "lo"], ["lo"], "Hel", True),
+        (["abc"], ["x"], "abc", False),
+        (["a", "<", "/s", "x"], ["</s>"], "a</sx", False),  # partial match released in full
+        (["ab", "cd"], ["bc", "cd"], "a", True),  # earliest occurrence wins
+        (["STOP"], ["STOP"], "", True),
+        (["x", "y"], [], "xy", False),
+    ],
+)
+def test_stop_matcher(pieces: list[str], stops: list[str], expected: str, stopped: bool) -> None:
+    assert feed_all(StopMatcher(stops), pieces) == (expected, stopped)
+
+
+def test_stop_matcher_holds_back_only_possible_prefixes() -> None:
+    m = StopMatcher(["###"])
+    assert m.feed("abc#") == ("abc", False)
+    assert m.feed("#") == ("", False)
+    assert m.feed("x") == ("##x", False)
+
+
+def test_stop_matcher_any_split_equals_whole_text() -> None:
+    rng = random.Random(7)
+    text = "The quick brown fox jumps over the lazy dog. END of story."
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert feed_all(StopMatcher(["END", "zzz"]), pieces) == ("The quick brown fox jumps over the lazy dog. ", True)
+        assert feed_all(StopMatcher(["nope", "dog!"]), pieces) == (text, False)
