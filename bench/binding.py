@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=512, help="n_batch = n_ubatch, both sides")
     parser.add_argument("--no-build", action="store_true", help=f"do not build {BATCHED_BENCH} when missing")
     args = parser.parse_args(argv)
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
+    if min(args.runs, args.pp, args.tg, args.threads) < 1:
+        parser.error("--runs, --pp, --tg and --threads must be at least 1")
 
     cfg = Config(threads=args.threads, pp=args.pp, tg=args.tg, n_ctx=args.ctx, n_batch=args.batch)
     model_path = common.model_path(args.model)
