@@ -285,17 +285,9 @@ class Engine:
         decoded; a running one is dropped before the engine's next decode step, its KV cells
         freed and its sequence reusable.
         """
-        if not job.prompt:
-            raise ValueError("empty prompt")
-        if len(job.prompt) >= self.n_ctx_seq:
-            raise ContextLengthExceeded(
-                f"the prompt is {len(job.prompt)} tokens; a sequence holds at most {self.n_ctx_seq - 1} "
-                "prompt tokens (plus room to generate)"
-            )
-        if not self._accepting:
-            raise ShuttingDown("server is shutting down")
-        if len(self._queue) >= self.config.max_queue:
-            raise Overloaded("the request queue is full; retry later")
+        error = self.admission_error(job)
+        if error is not None:
+            raise error
         request = _Request(job, self.config.channel_size)
         self._queue.append(request)
         self.stats.queued = len(self._queue)
@@ -306,6 +298,19 @@ class Engine:
             request.released = True
             request.receive.close()
             self._wake()
+
+    def admission_error(self, job: Job) -> EngineError | None:
+        """The error ``submit`` would raise for ``job`` right now, or None."""
+        if not job.prompt or len(job.prompt) >= self.n_ctx_seq:
+            return ContextLengthExceeded(
+                f"the prompt is {len(job.prompt)} tokens; this server's context holds at most "
+                f"{self.n_ctx_seq - 1} prompt tokens per request (plus room to generate)"
+            )
+        if not self._accepting:
+            return ShuttingDown("server is shutting down")
+        if len(self._queue) >= self.config.max_queue:
+            return Overloaded("the request queue is full; retry later")
+        return None
 
     def _wake(self) -> None:
         self._wakeup.set()

@@ -1,0 +1,41 @@
+"""``llama-trio`` / ``python -m server``: parse settings, serve until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from server.config import parse_settings
+from server.lifecycle import Server
+from server.listener import ListenError
+from server.model_files import DefaultModelMissing
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if settings.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not settings.verbose:
+        logging.getLogger("llama_cpp").setLevel(logging.WARNING)
+    if settings.host not in {"127.0.0.1", "localhost", "::1"} and not settings.api_keys():
+        logging.getLogger("server").warning(
+            "listening on %s without an API key: anyone who can reach it may use it", settings.host
+        )
+    try:
+        server = Server(settings)
+    except (ListenError, DefaultModelMissing) as exc:
+        print(f"llama-trio: {exc}", file=sys.stderr)
+        return 2
+    trio.run(server.serve)
+    if server.state.load_failed is not None:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Settings: every flag of the command line, each also read from ``LLAMA_TRIO_<FLAG>``.
+
+Precedence: command-line flag, then environment variable, then default. ``settings_from_env``
+gives the same settings without a command line (the ``hypercorn ... 'server.app:create_app()'``
+launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+ENV_PREFIX = "LLAMA_TRIO_"
+
+
+def _default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str | None = None  # None: the embedded default model
+    host: str = "127.0.0.1"
+    port: int = 8080
+    parallel: int = 4
+    ctx_size: int = 8192
+    batch_size: int = 512
+    threads: int = field(default_factory=_default_threads)
+    alias: str | None = None
+    api_key: tuple[str, ...] = ()
+    api_key_file: str | None = None
+    max_queue: int = 64
+    max_tokens: int | None = None  # ceiling on any request's max_tokens
+    drain_timeout: float = 30.0
+    max_body: int = 4 * 1024 * 1024
+    keep_alive_timeout: float = 5.0
+    read_timeout: float = 60.0
+    max_header_size: int = 16 * 1024
+    max_connections: int = 512
+    cors_origin: tuple[str, ...] = ()
+    reuse_port: bool = False
+    verbose: bool = False
+
+    def api_keys(self) -> frozenset[str]:
+        keys = set(self.api_key)
+        if self.api_key_file:
+            for line in pathlib.Path(self.api_key_file).read_text().splitlines():
+                if line.strip() and not line.lstrip().startswith("#"):
+                    keys.add(line.strip())
+        return frozenset(keys)
+
+
+_HELP = {
+    "model": "GGUF model file (default: the embedded SmolLM2-135M-Instruct)",
+    "host": "address to listen on (:: for IPv6 and IPv4)",
+    "port": "TCP port",
+    "parallel": "sequences decoded together (concurrent requests)",
+    "ctx_size": "KV cache cells in all; each sequence gets ctx-size / parallel",
+    "batch_size": "tokens per decode step (prompt chunks plus one per running sequence)",
+    "threads": "CPU threads for llama.cpp",
+    "alias": "model id reported by the API (default: the model file's name)",
+    "api_key": "accepted API key (repeatable; env: comma-separated)",
+    "api_key_file": "file with one API key per line",
+    "max_queue": "requests waiting for a free sequence before 503",
+    "max_tokens": "ceiling on any request's max_tokens",
+    "drain_timeout": "seconds in-flight requests may run after SIGTERM",
+    "max_body": "largest request body in bytes (413 above)",
+    "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
+    "read_timeout": "seconds a connection may send nothing while a request is expected",
+    "max_header_size": "largest request head in bytes",
+    "max_connections": "open connections at once; more wait in the listen backlog",
+    "cors_origin": "allowed CORS origin (repeatable; * for any)",
+    "reuse_port": "also set SO_REUSEPORT (lets other processes share the port)",
+    "verbose": "debug logging, including llama.cpp's own log",
+}
+
+
+def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
+    raw = env.get(ENV_PREFIX + name.upper())
+    if raw is None or raw == "":
+        return None
+    if kind is bool:
+        return raw.strip().lower() in {"1", "true", "yes", "on"}
+    if kind is tuple:
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    return kind(raw)
+
+
+def _kind(name: str) -> type:
+    defaults = Settings()
+    value = getattr(defaults, name)
+    if name in {"model", "alias", "api_key_file"}:
+        return str
+    if name == "max_tokens":
+        return int
+    return type(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llama-trio",
+        description="OpenAI-compatible LLM server on llama.cpp. Every flag is also read from "
+        f"{ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
+    )
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _kind(f.name)
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=_HELP[f.name])
+        elif kind is tuple:
+            parser.add_argument(flag, action="append", default=None, help=_HELP[f.name])
+        else:
+            parser.add_argument(flag, type=kind, default=None, help=_HELP[f.name])
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Settings from a command line and the environment."""
+    env = os.environ if env is None else env
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, object] = {}
+    for f in fields(Settings):
+        value = args.get(f.name)
+        if isinstance(value, list):
+            value = tuple(value)
+        if value is None:
+            value = _env_value(f.name, _kind(f.name), env)
+        if value is not None:
+            values[f.name] = value
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:
+    return parse_settings([], env)

@@ -1,0 +1,64 @@
+"""Server-Sent Events framing for OpenAI-style streams. Pure functions, no IO.
+
+A stream is ``data: <json>`` events, each ended by a blank line, closed by ``data: [DONE]``.
+Chunks of one stream differ only in their delta, so ``ChunkFramer`` renders the constant part
+of the JSON once and encodes only the new text per token.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DONE = b"data: [DONE]\n\n"
+PING = b": ping\n\n"
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def event(payload: Any) -> bytes:
+    """One ``data:`` event carrying ``payload`` as compact JSON."""
+    return b"data: " + _dumps(payload).encode() + b"\n\n"
+
+
+def error_event(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    return event({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+class ChunkFramer:
+    """Renders the chunks of one stream: chat (``chat.completion.chunk``, text in
+    ``delta.content``) or completion (``text_completion``, text in ``text``)."""
+
+    def __init__(self, *, chat: bool, id_: str, created: int, model: str) -> None:
+        self.chat = chat
+        head = {"id": id_, "object": "chat.completion.chunk" if chat else "text_completion", "created": created}
+        head["model"] = model
+        self._head = _dumps(head)[:-1]  # without the closing brace
+        self._choice_head = self._head.encode() + (
+            b',"choices":[{"index":0,"delta":{"content":' if chat else b',"choices":[{"index":0,"text":'
+        )
+        self._choice_tail = (
+            b'},"logprobs":null,"finish_reason":null}]}\n\n'
+            if chat
+            else (b',"logprobs":null,"finish_reason":null}]}\n\n')
+        )
+
+    def role(self) -> bytes:
+        """The first chat chunk: the assistant role, no content yet."""
+        return (
+            b"data: "
+            + self._head.encode()
+            + (
+                b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+            )
+        )
+
+    def text(self, text: str) -> bytes:
+        return b"data: " + self._choice_head + _dumps(text).encode() + self._choice_tail
+
+    def finish(self, reason: str) -> bytes:
+        choice = '{"index":0,"delta":{},' if self.chat else '{"index":0,"text":"",'
+        return f'data: {self._head},"choices":[{choice}"logprobs":null,"finish_reason":"{reason}"}}]}}\n\n'.encode()
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return f'data: {self._head},"choices":[],"usage":{_dumps(usage)}}}\n\n'.encode()

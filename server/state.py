@@ -1,0 +1,97 @@
+"""``ServerState``: the model and engine behind the app, and the serving phase they are in.
+
+One instance per app. ``run_engine`` loads the model, runs the engine until ``stop_engine`` is
+called, then frees both; the lifecycle (or, under the hypercorn CLI, the app's lifespan) runs it
+in a nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import trio
+
+import ffi
+from server.config import Settings
+from server.engine import Engine, EngineConfig, EngineStats, open_engine
+from server.metrics import Metrics
+from server.model_files import default_model_path
+
+logger = logging.getLogger(__name__)
+
+
+class ServerState:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.model_path = settings.model or str(default_model_path())
+        self.model_id = settings.alias or os.path.basename(self.model_path)
+        self.created = int(time.time())
+        self.engine: Engine | None = None
+        self.template: ffi.ChatTemplate | None = None
+        self.draining = False
+        self.load_failed: BaseException | None = None
+        self.ready = trio.Event()
+        self._stop = trio.Event()
+        self._progress = ffi.ProgressReporter(os.path.basename(self.model_path), logger)
+        self.metrics = Metrics(lambda: self.engine.stats if self.engine else None, lambda: self.draining)
+        self.warned_fields: set[str] = set()
+
+    @property
+    def stats(self) -> EngineStats | None:
+        return self.engine.stats if self.engine else None
+
+    def stop_engine(self) -> None:
+        """Let ``run_engine`` finish (aborting a model load in progress)."""
+        self._progress.abort()
+        self._stop.set()
+
+    async def run_engine(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the model, serve with the engine until ``stop_engine``, then free everything.
+
+        *Cancellation*: a load in progress is aborted through llama.cpp's progress callback (the
+        loading thread is waited for, never abandoned); a running engine is stopped as by
+        ``open_engine``.
+        """
+        task_status.started()
+        s = self.settings
+        started = time.monotonic()
+        try:
+            model = await trio.to_thread.run_sync(self._load_model)
+        except ffi.ModelLoadError as exc:
+            if not self._stop.is_set():
+                logger.error("%s", exc)
+                self.load_failed = exc
+            self.ready.set()
+            return
+        try:
+            self.template = ffi.ChatTemplate(
+                model.chat_template, bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else ""
+            )
+            config = EngineConfig(
+                n_parallel=s.parallel,
+                n_ctx=s.ctx_size,
+                n_batch=s.batch_size,
+                n_threads=s.threads,
+                max_queue=s.max_queue,
+            )
+            async with open_engine(model, config) as engine:
+                self.engine = engine
+                logger.info(
+                    "model %s ready in %.1f s: %s, %d sequences x %d tokens, %d threads",
+                    self.model_id,
+                    time.monotonic() - started,
+                    model.description,
+                    s.parallel,
+                    engine.n_ctx_seq,
+                    s.threads,
+                )
+                self.ready.set()
+                await self._stop.wait()
+        finally:
+            self.engine = None
+            model.close()
+
+    def _load_model(self) -> ffi.Model:
+        return ffi.Model(self.model_path, progress=self._progress)
