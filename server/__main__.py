@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -16,6 +18,7 @@ from server.model_files import DefaultModelMissing
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(
         level=logging.DEBUG if settings.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -79,14 +79,18 @@ class ApiError(Exception):
         return cls(exc.status, str(exc), type_="server_error", code=exc.code, headers=headers)
 
 
+# pydantic names the branch of a union it tried ("str", "list[str]", "function-after[...]") in
+# an error's location; those are not fields of the request.
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
 def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
     parts: list[str] = []
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif item.isidentifier():
+        elif item.isidentifier() and item not in _UNION_TAGS:
             parts.append(f".{item}" if parts else item)
-        # pydantic's union-branch names ("list[str]", "function-after[...]") are not fields
     return "".join(parts) or None
 
 

@@ -27,12 +27,12 @@ from functools import partial
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
 from server.app import create_app
 from server.config import Settings
+from server.connection import Connection
 from server.engine import ShuttingDown
 from server.listener import bound_port, open_listener
 from server.state import ServerState
@@ -48,7 +48,10 @@ _RETRY_ACCEPT = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 def hypercorn_config(settings: Settings) -> HypercornConfig:
     config = HypercornConfig()
     config.keep_alive_timeout = settings.keep_alive_timeout
-    config.read_timeout = settings.read_timeout
+    # No read timeout: Hypercorn applies it to every read, which would cut a long stream whose
+    # client has nothing more to send. Slow header senders are bounded by the keep-alive timer
+    # (server/connection.py) and slow bodies by Quart's BODY_TIMEOUT (read_timeout).
+    config.read_timeout = None
     config.h11_max_incomplete_size = settings.max_header_size
     config.graceful_timeout = settings.drain_timeout + FINAL_WRITE_GRACE
     config.accesslog = None
@@ -69,6 +72,7 @@ class Server:
         self.config = hypercorn_config(settings)
         self._stop = trio.Event()
         self._force = trio.Event()
+        self._connections: set[Connection] = set()
 
     def request_stop(self) -> None:
         """Start the drain (as a first signal does); calling it again ends the drain now."""
@@ -97,7 +101,7 @@ class Server:
                 logger.info("listening on http://%s", _address(self.settings.host, self.port))
                 async with trio.open_nursery() as connections:
                     limit = trio.Semaphore(self.settings.max_connections)
-                    handler = partial(TCPServer, app, self.config, context, {})
+                    handler = partial(Connection, app, self.config, context, {})
                     async with trio.open_nursery() as accepting:
                         accepting.start_soon(self._accept, listener, handler, connections, limit)
                         task_status.started(self.port)
@@ -107,7 +111,9 @@ class Server:
                     logger.info(
                         "shutting down: listener closed, draining for up to %.0f s", self.settings.drain_timeout
                     )
-                    await context.terminated.set()  # idle keep-alive connections close
+                    await context.terminated.set()  # no keep-alive after the current response
+                    for connection in list(self._connections):
+                        connection.drain()  # idle ones close now
                     engine = self.state.engine
                     if engine is not None:
                         engine.stop_admitting()
@@ -140,11 +146,15 @@ class Server:
                 raise
             connections.start_soon(self._connection, handler, stream, limit)
 
-    @staticmethod
-    async def _connection(handler, stream: trio.SocketStream, limit: trio.Semaphore) -> None:  # type: ignore[no-untyped-def]
+    async def _connection(self, handler, stream: trio.SocketStream, limit: trio.Semaphore) -> None:  # type: ignore[no-untyped-def]
+        connection = handler(stream)
+        self._connections.add(connection)
         try:
-            await handler(stream)
+            if self._stop.is_set():
+                connection.drain()
+            await connection.serve()
         finally:
+            self._connections.discard(connection)
             limit.release()
 
     async def _stop_if_load_fails(self) -> None:
@@ -162,10 +172,26 @@ class Server:
         connections.deadline = trio.current_time() + FINAL_WRITE_GRACE
 
     async def _watch_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) as signals:
             async for signum in signals:
+                if signum == signal.SIGUSR2:
+                    logger.warning("trio tasks:\n%s", _task_tree(trio.lowlevel.current_root_task()))
+                    continue
                 logger.info("received %s", signal.Signals(signum).name)
                 self.request_stop()
+
+
+def _task_tree(task: trio.lowlevel.Task | None, depth: int = 0) -> str:
+    """The running trio tasks as an indented list (``kill -USR2 PID`` logs it)."""
+    if task is None:
+        return ""
+    frames = [f for f in task.iter_await_frames() if "/trio/_core/" not in f[0].f_code.co_filename]
+    where = " <- ".join(f"{f.f_code.co_name}:{lineno}" for f, lineno in reversed(frames[-4:])) or "?"
+    lines = ["  " * depth + f"{task.name} @ {where}"]
+    for nursery in task.child_nurseries:
+        for child in nursery.child_tasks:
+            lines.append(_task_tree(child, depth + 1))
+    return "\n".join(lines)
 
 
 def _address(host: str, port: int) -> str:

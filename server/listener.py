@@ -18,6 +18,9 @@ BACKLOG = 1024
 class ListenError(OSError):
     """The address cannot be listened on; the message is one line naming host and port."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)  # without OSError's "[Errno N]" prefix
+
 
 def open_listener(host: str, port: int, *, reuse_port: bool = False, backlog: int = BACKLOG) -> socket.socket:
     """A bound, listening, non-blocking TCP socket for ``host:port`` (IPv4 or IPv6).

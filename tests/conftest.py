@@ -20,3 +20,14 @@ def model(model_path: pathlib.Path):
     m = ffi.Model(model_path)
     yield m
     m.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One server for a test module: 4 sequences, small context, the default model."""
+    from tests.server_process import ServerProcess
+
+    with ServerProcess(["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]) as proc:
+        proc.wait_ready()
+        yield proc
+        proc.stop()

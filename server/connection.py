@@ -1,0 +1,72 @@
+"""One HTTP connection: Hypercorn's ``TCPServer`` with keep-alive idling that works here.
+
+Hypercorn restarts its keep-alive timer from whatever task reports the connection idle; under
+Quart-Trio that is the request's own task, inside a nursery that Quart-Trio cancels as the
+response ends, so the timer dies at once and idle keep-alive connections would stay open
+forever (and a drain would wait on them). Here the timer is a task of the connection itself.
+
+A connection without a complete request head in progress (between requests, or a client that
+sends its headers slowly) is closed after ``keep_alive_timeout``, and at once when ``drain()``
+is called.
+"""
+
+from __future__ import annotations
+
+import math
+
+import trio
+from hypercorn.events import Event, Updated
+from hypercorn.trio.tcp_server import TCPServer
+
+
+class Connection(TCPServer):
+    """``await Connection(app, config, context, state, stream).serve()``.
+
+    *Cancellation*: cancelling ``serve`` closes the connection.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self._idle_since: float | None = None
+        self._draining = False
+        self._wake = trio.Event()
+
+    async def serve(self) -> None:
+        self._idle_since = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_idle)
+            try:
+                await self.run()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    def drain(self) -> None:
+        """Close now if idle; otherwise close when the request in progress is answered."""
+        self._draining = True
+        self._wake.set()
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated):
+            # State first, without a checkpoint: the caller may be a request task that is
+            # cancelled at its next checkpoint.
+            self._idle_since = trio.current_time() if event.idle else None
+            self._wake.set()
+            # Hypercorn's own timer guards only the first request head (started in run()).
+            await self.idle_task.stop()
+            return
+        await super().protocol_send(event)
+
+    async def _watch_idle(self) -> None:
+        while True:
+            wake = self._wake
+            if self._idle_since is None:
+                await wake.wait()
+            else:
+                deadline = -math.inf if self._draining else self._idle_since + self.config.keep_alive_timeout
+                with trio.move_on_at(deadline):
+                    await wake.wait()
+                if not wake.is_set():  # idle past the deadline
+                    with trio.CancelScope(shield=True):
+                        await self._initiate_server_close()
+                    return
+            self._wake = trio.Event()

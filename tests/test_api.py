@@ -1,0 +1,352 @@
+"""The OpenAI-compatible API through a real server process and real clients."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_process import ServerProcess
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def client(server: ServerProcess, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.02)
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """Split an SSE body into its events, checking the framing as it goes."""
+    assert raw.endswith(b"\n\n")
+    events = raw[:-2].split(b"\n\n")
+    for event in events:
+        assert event.startswith((b"data: ", b": ")), event
+        assert b"\n" not in event
+    return events
+
+
+# -- the openai SDK ----------------------------------------------------------------------------
+
+
+def test_sdk_chat_non_streamed(server: ServerProcess) -> None:
+    result = client(server).chat.completions.create(model="anything", messages=CHAT, max_tokens=12, temperature=0)
+    assert result.object == "chat.completion"
+    assert result.id.startswith("chatcmpl-")
+    assert result.model == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content
+    assert result.choices[0].finish_reason in {"stop", "length"}
+    assert result.usage is not None and result.usage.completion_tokens <= 12
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_sdk_chat_streamed_with_usage(server: ServerProcess) -> None:
+    chunks = list(
+        client(server).chat.completions.create(
+            model="gpt-4o",
+            messages=CHAT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 1 and finishes[0] in {"stop", "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens <= 16
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    non_streamed = client(server).chat.completions.create(model="x", messages=CHAT, max_tokens=16, temperature=0)
+    assert text == non_streamed.choices[0].message.content
+
+
+def test_sdk_completion_streamed(server: ServerProcess) -> None:
+    chunks = list(
+        client(server).completions.create(
+            model="x", prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks)
+    assert "Paris" in text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    whole = client(server).completions.create(model="x", prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert whole.choices[0].text == text
+    assert whole.object == "text_completion"
+
+
+def test_sdk_models_list(server: ServerProcess) -> None:
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+
+def test_stop_sequences_and_seed(server: ServerProcess) -> None:
+    c = client(server)
+    full = c.completions.create(model="x", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+    assert " 6" in full
+    cut = c.completions.create(model="x", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6", "zz"])
+    assert cut.choices[0].text == full[: full.index(" 6")]
+    assert cut.choices[0].finish_reason == "stop"
+    a = c.completions.create(model="x", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=42)
+    b = c.completions.create(model="x", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=42)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_content_as_text_parts(server: ServerProcess) -> None:
+    parts = [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]
+    a = client(server).chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": parts}],  # type: ignore[list-item]
+        max_tokens=8,
+        temperature=0,
+    )
+    b = client(server).chat.completions.create(model="x", messages=CHAT, max_tokens=8, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+# -- the wire format ---------------------------------------------------------------------------
+
+
+def test_raw_sse_stream(server: ServerProcess) -> None:
+    body = {"messages": CHAT, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.headers["x-accel-buffering"] == "no"
+        raw = response.read()
+    events = sse_events(raw)
+    assert events[-1] == b"data: [DONE]"
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(p["object"] == "chat.completion.chunk" for p in payloads)
+    assert len({(p["id"], p["created"], p["model"]) for p in payloads}) == 1
+    finishes = [p for p in payloads if p["choices"] and p["choices"][0]["finish_reason"]]
+    assert len(finishes) == 1 and finishes[0]["choices"][0]["delta"] == {}
+    assert payloads[-1]["choices"] == []
+    assert set(payloads[-1]["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+    assert payloads[-2] is finishes[0]
+
+
+def test_raw_sse_without_usage_and_completion_shape(server: ServerProcess) -> None:
+    body = {"prompt": "Hello", "max_tokens": 4, "stream": True}
+    raw = httpx.post(server.url + "/v1/completions", json=body, timeout=30).content
+    events = sse_events(raw)
+    assert events[-1] == b"data: [DONE]"
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(p["object"] == "text_completion" and "usage" not in p for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# -- cancellation through the HTTP layer ---------------------------------------------------------
+
+
+def test_disconnect_mid_stream_stops_decoding(server: ServerProcess) -> None:
+    before = server.metrics()
+    body = {"messages": CHAT, "max_tokens": 1000, "stream": True, "temperature": 0.7}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: ") and '"content"' in line:
+                got += 1
+                if got == 5:
+                    break
+    # the connection is closed here
+    wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, timeout=5)
+    after = server.metrics()
+    assert (
+        after["llama_trio_cancellations_total{phase=generate}"]
+        == before["llama_trio_cancellations_total{phase=generate}"] + 1
+    )
+    generated = after["llama_trio_tokens_total{kind=generated}"] - before["llama_trio_tokens_total{kind=generated}"]
+    assert generated < 60, "decoding went on after the client left"
+    time.sleep(0.3)
+    assert (
+        server.metrics()["llama_trio_tokens_total{kind=generated}"] == after["llama_trio_tokens_total{kind=generated}"]
+    )
+    assert after["llama_trio_kv_cells_used"] == after["llama_trio_kv_cells_cached"]
+
+
+def test_disconnect_while_queued_never_decodes() -> None:
+    with ServerProcess(["--parallel", "1", "--ctx-size", "2048"]) as server:
+        server.wait_ready()
+        long_body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 150, "temperature": 0}
+        result: dict[str, object] = {}
+
+        def run_long() -> None:
+            result["response"] = httpx.post(server.url + "/v1/completions", json=long_body, timeout=60).json()
+
+        runner = threading.Thread(target=run_long)
+        runner.start()
+        wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1)
+        queued = {"prompt": "A completely different prompt", "max_tokens": 50, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=queued, timeout=30) as response:
+            assert response.status_code == 200
+            wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1)
+        runner.join(60)
+        wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0)
+        m = server.metrics()
+        assert m["llama_trio_cancellations_total{phase=queued}"] == 1
+        usage = result["response"]["usage"]  # type: ignore[index]
+        assert m["llama_trio_tokens_total{kind=prompt}"] == usage["prompt_tokens"]
+        assert m["llama_trio_tokens_total{kind=generated}"] == usage["completion_tokens"]
+        assert server.stop() == 0
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def post(server: ServerProcess, path: str, body: object, **kw: object) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(
+        server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30, **kw
+    )  # type: ignore[arg-type]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": CHAT, "temperature": "hot"}, "temperature"),
+        ({"messages": CHAT, "temperature": 3}, "temperature"),
+        ({"messages": CHAT, "max_tokens": -1}, "max_tokens"),
+        ({"messages": CHAT, "max_tokens": "10"}, "max_tokens"),
+        ({"messages": CHAT, "top_p": 1.5}, "top_p"),
+        ({"messages": CHAT, "n": 2}, "n"),
+        ({"messages": CHAT, "stop": ["a"] * 17}, "stop"),
+        ({"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"messages": CHAT, "logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"messages": CHAT, "stream": "yes"}, "stream"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+        ),
+    ],
+)
+def test_bad_chat_requests(server: ServerProcess, body: dict, param: str) -> None:
+    assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
+
+
+def test_invalid_json(server: ServerProcess) -> None:
+    assert_error(post(server, "/v1/chat/completions", b"{not json"), 400, code="invalid_json")
+    assert_error(post(server, "/v1/completions", b"[1, 2]"), 400, code="invalid_json")
+    assert_error(post(server, "/v1/completions", b"[" * 100_000), 400, code="invalid_json")
+    assert_error(post(server, "/v1/completions", b'{"prompt": NaN}'), 400, param="prompt")
+
+
+def test_context_length_exceeded(server: ServerProcess) -> None:
+    prompt = "hello " * 5000  # a sequence here holds 1024 tokens
+    error = assert_error(post(server, "/v1/completions", {"prompt": prompt}), 400, code="context_length_exceeded")
+    assert error["param"] == "prompt"
+    streamed = post(server, "/v1/completions", {"prompt": prompt, "stream": True})
+    assert_error(streamed, 400, code="context_length_exceeded")
+
+
+def test_max_tokens_beyond_context_ends_with_length(server: ServerProcess) -> None:
+    prompt = "word " * 1000
+    response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5000, "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["total_tokens"] == 1024 + 1
+
+
+def test_body_too_large(server: ServerProcess) -> None:
+    big = b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}'
+    assert_error(post(server, "/v1/completions", big), 413)
+
+
+def test_wrong_method_and_unknown_path(server: ServerProcess) -> None:
+    assert_error(httpx.get(server.url + "/v1/chat/completions"), 405)
+    assert_error(httpx.delete(server.url + "/v1/models"), 405)
+    assert_error(httpx.get(server.url + "/v2/nothing"), 404)
+
+
+def test_queue_full_is_503_with_retry_after() -> None:
+    with ServerProcess(["--parallel", "1", "--max-queue", "1", "--ctx-size", "1024"]) as server:
+        server.wait_ready()
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30):
+            wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1)
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30):
+                wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1)
+                response = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+                assert_error(response, 503, code="overloaded")
+                assert response.headers["retry-after"] == "1"
+        assert server.stop() == 0
+
+
+def test_api_key() -> None:
+    with ServerProcess(["--api-key", "sekrit", "--api-key", "other", "--ctx-size", "1024"]) as server:
+        server.wait_ready()
+        assert httpx.get(server.url + "/health").status_code == 200  # stays open
+        assert_error(httpx.get(server.url + "/v1/models"), 401, code="invalid_api_key")
+        assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        assert httpx.get(server.url + "/v1/models", headers={"X-Api-Key": "other"}).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            client(server, "wrong").models.list()
+        result = client(server, "sekrit").chat.completions.create(model="x", messages=CHAT, max_tokens=4)
+        assert result.choices[0].message.content is not None
+        assert server.stop() == 0
+
+
+def test_no_api_key_means_open(server: ServerProcess) -> None:
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer whatever"}).status_code == 200
+
+
+def test_health_and_metrics(server: ServerProcess) -> None:
+    response = httpx.get(server.url + "/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    metrics = server.metrics()
+    assert metrics["llama_trio_draining"] == 0
+    assert any(k.startswith("llama_trio_requests_total{endpoint=/v1/chat/completions,status=200}") for k in metrics)
+    assert "llama_trio_time_to_first_token_seconds_count" in metrics
+    assert "llama_trio_time_per_output_token_seconds_count" in metrics
+
+
+def test_cors_off_by_default(server: ServerProcess) -> None:
+    response = httpx.get(server.url + "/v1/models", headers={"Origin": "http://example.test"})
+    assert "access-control-allow-origin" not in response.headers
+
+
+def test_engine_unharmed_by_garbage(server: ServerProcess) -> None:
+    good = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    before = post(server, "/v1/completions", good).json()["choices"][0]["text"]
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"GARBAGE / HTTP/9.9\r\n\r\n")
+        sock.recv(1024)
+    assert post(server, "/v1/completions", good).json()["choices"][0]["text"] == before
