@@ -38,6 +38,7 @@ class Settings:
     max_body: int = 4 * 1024 * 1024
     keep_alive_timeout: float = 5.0
     read_timeout: float = 60.0
+    write_timeout: float = 30.0
     max_header_size: int = 16 * 1024
     max_connections: int = 512
     cors_origin: tuple[str, ...] = ()
@@ -69,7 +70,8 @@ _HELP = {
     "drain_timeout": "seconds in-flight requests may run after SIGTERM",
     "max_body": "largest request body in bytes (413 above)",
     "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
-    "read_timeout": "seconds a connection may send nothing while a request is expected",
+    "read_timeout": "seconds a request body may take to arrive",
+    "write_timeout": "seconds a client may stop reading before its connection is cut",
     "max_header_size": "largest request head in bytes",
     "max_connections": "open connections at once; more wait in the listen backlog",
     "cors_origin": "allowed CORS origin (repeatable; * for any)",

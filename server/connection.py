@@ -8,15 +8,21 @@ forever (and a drain would wait on them). Here the timer is a task of the connec
 A connection without a complete request head in progress (between requests, or a client that
 sends its headers slowly) is closed after ``keep_alive_timeout``, and at once when ``drain()``
 is called.
+
+Writes are shielded (a half-written response would corrupt the connection) but bounded: a
+client that stops reading is cut after ``write_timeout``, or at the deadline given to ``cut``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import trio
-from hypercorn.events import Event, Updated
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
+
+logger = logging.getLogger(__name__)
 
 
 class Connection(TCPServer):
@@ -25,11 +31,14 @@ class Connection(TCPServer):
     *Cancellation*: cancelling ``serve`` closes the connection.
     """
 
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, write_timeout: float = math.inf) -> None:
         super().__init__(*args)  # type: ignore[arg-type]
+        self.write_timeout = write_timeout
         self._idle_since: float | None = None
         self._draining = False
         self._wake = trio.Event()
+        self._hard_deadline = math.inf
+        self._write_scope: trio.CancelScope | None = None
 
     async def serve(self) -> None:
         self._idle_since = trio.current_time()
@@ -45,7 +54,16 @@ class Connection(TCPServer):
         self._draining = True
         self._wake.set()
 
+    def cut(self, deadline: float) -> None:
+        """Give up on any write still blocked at ``deadline`` (the end of a drain)."""
+        self._hard_deadline = deadline
+        if self._write_scope is not None:
+            self._write_scope.deadline = min(self._write_scope.deadline, deadline)
+
     async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, RawData):
+            await self._write(event.data)
+            return
         if isinstance(event, Updated):
             # State first, without a checkpoint: the caller may be a request task that is
             # cancelled at its next checkpoint.
@@ -70,3 +88,22 @@ class Connection(TCPServer):
                         await self._initiate_server_close()
                     return
             self._wake = trio.Event()
+
+    async def _write(self, data: bytes) -> None:
+        async with self.send_lock:
+            deadline = min(trio.current_time() + self.write_timeout, self._hard_deadline)
+            with trio.CancelScope(shield=True, deadline=deadline) as scope:
+                self._write_scope = scope
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+                else:
+                    return
+                finally:
+                    self._write_scope = None
+            if scope.cancelled_caught:
+                logger.info("closing a connection whose client stopped reading")
+                with trio.CancelScope(shield=True):
+                    await self.stream.aclose()
+        await self.protocol.handle(Closed())

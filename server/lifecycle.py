@@ -101,7 +101,9 @@ class Server:
                 logger.info("listening on http://%s", _address(self.settings.host, self.port))
                 async with trio.open_nursery() as connections:
                     limit = trio.Semaphore(self.settings.max_connections)
-                    handler = partial(Connection, app, self.config, context, {})
+                    handler = partial(
+                        Connection, app, self.config, context, {}, write_timeout=self.settings.write_timeout
+                    )
                     async with trio.open_nursery() as accepting:
                         accepting.start_soon(self._accept, listener, handler, connections, limit)
                         task_status.started(self.port)
@@ -169,7 +171,10 @@ class Server:
         engine = self.state.engine
         if engine is not None:
             engine.abort_all(ShuttingDown("server is shutting down"))
-        connections.deadline = trio.current_time() + FINAL_WRITE_GRACE
+        deadline = trio.current_time() + FINAL_WRITE_GRACE
+        connections.deadline = deadline
+        for connection in list(self._connections):
+            connection.cut(deadline)  # writes to clients that stopped reading end too
 
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) as signals:

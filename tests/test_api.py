@@ -20,6 +20,12 @@ def client(server: ServerProcess, key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def sdk(server: ServerProcess):
+    with client(server) as c:
+        yield c
+
+
 def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -41,8 +47,8 @@ def sse_events(raw: bytes) -> list[bytes]:
 # -- the openai SDK ----------------------------------------------------------------------------
 
 
-def test_sdk_chat_non_streamed(server: ServerProcess) -> None:
-    result = client(server).chat.completions.create(model="anything", messages=CHAT, max_tokens=12, temperature=0)
+def test_sdk_chat_non_streamed(sdk: openai.OpenAI) -> None:
+    result = sdk.chat.completions.create(model="anything", messages=CHAT, max_tokens=12, temperature=0)
     assert result.object == "chat.completion"
     assert result.id.startswith("chatcmpl-")
     assert result.model == "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,9 +59,9 @@ def test_sdk_chat_non_streamed(server: ServerProcess) -> None:
     assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
 
 
-def test_sdk_chat_streamed_with_usage(server: ServerProcess) -> None:
+def test_sdk_chat_streamed_with_usage(sdk: openai.OpenAI) -> None:
     chunks = list(
-        client(server).chat.completions.create(
+        sdk.chat.completions.create(
             model="gpt-4o",
             messages=CHAT,
             max_tokens=16,
@@ -71,31 +77,29 @@ def test_sdk_chat_streamed_with_usage(server: ServerProcess) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens <= 16
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    non_streamed = client(server).chat.completions.create(model="x", messages=CHAT, max_tokens=16, temperature=0)
+    non_streamed = sdk.chat.completions.create(model="x", messages=CHAT, max_tokens=16, temperature=0)
     assert text == non_streamed.choices[0].message.content
 
 
-def test_sdk_completion_streamed(server: ServerProcess) -> None:
+def test_sdk_completion_streamed(sdk: openai.OpenAI) -> None:
     chunks = list(
-        client(server).completions.create(
-            model="x", prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
-        )
+        sdk.completions.create(model="x", prompt="The capital of France is", max_tokens=8, temperature=0, stream=True)
     )
     text = "".join(c.choices[0].text for c in chunks)
     assert "Paris" in text
     assert chunks[-1].choices[0].finish_reason == "length"
-    whole = client(server).completions.create(model="x", prompt="The capital of France is", max_tokens=8, temperature=0)
+    whole = sdk.completions.create(model="x", prompt="The capital of France is", max_tokens=8, temperature=0)
     assert whole.choices[0].text == text
     assert whole.object == "text_completion"
 
 
-def test_sdk_models_list(server: ServerProcess) -> None:
-    models = client(server).models.list()
+def test_sdk_models_list(sdk: openai.OpenAI) -> None:
+    models = sdk.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
 
 
-def test_stop_sequences_and_seed(server: ServerProcess) -> None:
-    c = client(server)
+def test_stop_sequences_and_seed(sdk: openai.OpenAI) -> None:
+    c = sdk
     full = c.completions.create(model="x", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
     assert " 6" in full
     cut = c.completions.create(model="x", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6", "zz"])
@@ -106,15 +110,15 @@ def test_stop_sequences_and_seed(server: ServerProcess) -> None:
     assert a.choices[0].text == b.choices[0].text
 
 
-def test_content_as_text_parts(server: ServerProcess) -> None:
+def test_content_as_text_parts(sdk: openai.OpenAI) -> None:
     parts = [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]
-    a = client(server).chat.completions.create(
+    a = sdk.chat.completions.create(
         model="x",
         messages=[{"role": "user", "content": parts}],  # type: ignore[list-item]
         max_tokens=8,
         temperature=0,
     )
-    b = client(server).chat.completions.create(model="x", messages=CHAT, max_tokens=8, temperature=0)
+    b = sdk.chat.completions.create(model="x", messages=CHAT, max_tokens=8, temperature=0)
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
@@ -317,9 +321,10 @@ def test_api_key() -> None:
         assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer nope"}), 401)
         assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert httpx.get(server.url + "/v1/models", headers={"X-Api-Key": "other"}).status_code == 200
-        with pytest.raises(openai.AuthenticationError):
-            client(server, "wrong").models.list()
-        result = client(server, "sekrit").chat.completions.create(model="x", messages=CHAT, max_tokens=4)
+        with client(server, "wrong") as wrong, pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        with client(server, "sekrit") as right:
+            result = right.chat.completions.create(model="x", messages=CHAT, max_tokens=4)
         assert result.choices[0].message.content is not None
         assert server.stop() == 0
 
