@@ -355,3 +355,20 @@ def test_engine_unharmed_by_garbage(server: ServerProcess) -> None:
         sock.sendall(b"GARBAGE / HTTP/9.9\r\n\r\n")
         sock.recv(1024)
     assert post(server, "/v1/completions", good).json()["choices"][0]["text"] == before
+
+
+def test_cors_origin_allowed() -> None:
+    with ServerProcess(["--cors-origin", "http://app.test", "--api-key", "k", "--ctx-size", "1024"]) as server:
+        server.wait_ready()
+        preflight = httpx.options(
+            server.url + "/v1/chat/completions",
+            headers={"Origin": "http://app.test", "Access-Control-Request-Method": "POST"},
+        )
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://app.test"
+        assert "Authorization" in preflight.headers["access-control-allow-headers"]
+        ok = httpx.get(server.url + "/v1/models", headers={"Origin": "http://app.test", "X-Api-Key": "k"})
+        assert ok.headers["access-control-allow-origin"] == "http://app.test"
+        other = httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.test", "X-Api-Key": "k"})
+        assert "access-control-allow-origin" not in other.headers
+        assert server.stop() == 0
