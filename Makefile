@@ -46,6 +46,7 @@ bench-binding: setup
 lint: setup
 	$(PY) -m ruff check ffi server tests bench build_ffi.py
 	$(PY) -m ruff format --check ffi server tests bench build_ffi.py
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) build ffi/_llama*.so ffi/.build-stamp vendor/llama.cpp

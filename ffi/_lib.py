@@ -35,7 +35,7 @@ _pending = threading.local()
 
 @ffi.def_extern()
 def _llama_trio_log(level: int, text: object, _user_data: object) -> None:
-    chunk = ffi.string(text).decode("utf-8", "replace")  # type: ignore[arg-type]
+    chunk = ffi.string(text).decode("utf-8", "replace")
     if level != lib.GGML_LOG_LEVEL_CONT:
         _pending.level = _LEVELS.get(level, logging.DEBUG)
         _pending.buf = ""

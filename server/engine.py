@@ -384,9 +384,9 @@ class Engine:
                 self._count_cancel(request)
             self.stats.queued = len(self._queue)
         for slot in self._slots:
-            request = slot.request
-            if request is not None and request.released:
-                self._count_cancel(request)
+            running = slot.request
+            if running is not None and running.released:
+                self._count_cancel(running)
                 self._free_slot(slot, keep_cache=False)
 
     def _count_cancel(self, request: _Request) -> None:
@@ -513,6 +513,7 @@ class Engine:
             assert detok is not None
             finish: str | None = None
             stopped = False
+            tokens: tuple[int, ...]
             if vocab.is_eog(token):
                 text, tokens, finish = "", (), "stop"
             else:

@@ -22,6 +22,7 @@ import errno
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from functools import partial
 
 import trio
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 FINAL_WRITE_GRACE = 1.0
 # Accept errors that mean "out of resources for now": wait and retry rather than crash.
 _RETRY_ACCEPT = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+_Handler = Callable[[trio.SocketStream], Connection]
 
 
 def hypercorn_config(settings: Settings) -> HypercornConfig:
@@ -130,8 +133,8 @@ class Server:
         logger.info("stopped")
 
     async def _accept(
-        self, listener: trio.SocketListener, handler, connections: trio.Nursery, limit: trio.Semaphore
-    ) -> None:  # type: ignore[no-untyped-def]
+        self, listener: trio.SocketListener, handler: _Handler, connections: trio.Nursery, limit: trio.Semaphore
+    ) -> None:
         while True:
             await limit.acquire()
             try:
@@ -148,7 +151,7 @@ class Server:
                 raise
             connections.start_soon(self._connection, handler, stream, limit)
 
-    async def _connection(self, handler, stream: trio.SocketStream, limit: trio.Semaphore) -> None:  # type: ignore[no-untyped-def]
+    async def _connection(self, handler: _Handler, stream: trio.SocketStream, limit: trio.Semaphore) -> None:
         connection = handler(stream)
         self._connections.add(connection)
         try:
