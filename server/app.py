@@ -242,7 +242,8 @@ def _sampling(req: schema._Sampling, n_vocab: int) -> ffi.SamplingParams:
         bias[token] = value
     return ffi.SamplingParams(
         temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-        top_k=DEFAULT_TOP_K if req.top_k is None else req.top_k,
+        # A top_k beyond the vocabulary filters nothing; clamped, it also fits llama.cpp's int32.
+        top_k=DEFAULT_TOP_K if req.top_k is None else min(req.top_k, n_vocab),
         top_p=1.0 if req.top_p is None else req.top_p,
         min_p=DEFAULT_MIN_P if req.min_p is None else req.min_p,
         seed=None if req.seed is None else req.seed & 0xFFFFFFFF,
@@ -306,6 +307,9 @@ async def _prepare(state: ServerState, *, chat: bool) -> _Prepared:
         raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
     except ffi.TokenizeError as exc:
         raise ApiError(400, str(exc), param="prompt" if not chat else "messages") from None
+    except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate is not text
+        message = "the text contains a lone UTF-16 surrogate (invalid Unicode)"
+        raise ApiError(400, message, param="prompt" if not chat else "messages", code="invalid_value") from None
     if not tokens:
         raise ApiError(400, "the prompt is empty", param="prompt")
     ceiling = state.settings.max_tokens

@@ -408,6 +408,13 @@ class Engine:
         free = [s for s in self._slots if s.request is None]
         while free and self._queue:
             request = self._queue.popleft()
+            try:
+                sampler = ffi.Sampler(request.job.sampling, self.vocab.n_tokens)
+            except Exception as exc:  # one job's bad parameters must never stop the engine task
+                logger.exception("cannot build a sampler; ending that job")
+                request.phase = None
+                self._end_with_error(request, EngineFailure(f"cannot build the sampler: {exc}"))
+                continue
             prompt = request.job.prompt
             choice = scheduler.pick_slot([s.cached for s in free], [s.last_used for s in free], prompt)
             slot = free.pop(choice.index)
@@ -425,7 +432,7 @@ class Engine:
             request.n_prompt_done = reuse
             request.cached_tokens = reuse
             request.max_pos = self.n_ctx_seq
-            request.sampler = ffi.Sampler(request.job.sampling, self.vocab.n_tokens)
+            request.sampler = sampler
             request.detok = ffi.Detokenizer(self.vocab)
             self.stats.cached_tokens += reuse
         self.stats.queued = len(self._queue)

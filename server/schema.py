@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300
+MAX_TOKEN_ID_DIGITS = 10  # token ids are int32
 
 
 class _Request(BaseModel):
@@ -85,7 +86,8 @@ class _Sampling(_Request):
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.isdigit():
+            # ASCII digits only ("²" is a digit to str.isdigit, not to int), and few of them.
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
 
