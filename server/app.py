@@ -132,6 +132,17 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
             state.stop_engine()
 
     @app.before_request
+    async def limit_head() -> Response | None:
+        # h11 bounds only a head that arrives in pieces; one that comes in a single read is
+        # parsed whole, so the limit is checked here too.
+        scope = request.scope
+        size = len(scope.get("raw_path", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if size > settings.max_header_size:
+            message = f"request headers are larger than {settings.max_header_size} bytes"
+            return ApiError(431, message, code="request_header_too_large").response()
+        return None
+
+    @app.before_request
     async def authenticate() -> Response | None:
         if not api_keys or request.path == "/health" or request.method == "OPTIONS":
             return None
@@ -308,8 +319,8 @@ async def _prepare(state: ServerState, *, chat: bool) -> _Prepared:
     except ffi.TokenizeError as exc:
         raise ApiError(400, str(exc), param="prompt" if not chat else "messages") from None
     except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate is not text
-        message = "the text contains a lone UTF-16 surrogate (invalid Unicode)"
-        raise ApiError(400, message, param="prompt" if not chat else "messages", code="invalid_value") from None
+        problem = "the text contains a lone UTF-16 surrogate (invalid Unicode)"
+        raise ApiError(400, problem, param="prompt" if not chat else "messages", code="invalid_value") from None
     if not tokens:
         raise ApiError(400, "the prompt is empty", param="prompt")
     ceiling = state.settings.max_tokens

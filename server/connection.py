@@ -49,6 +49,11 @@ class Connection(TCPServer):
             finally:
                 nursery.cancel_scope.cancel()
 
+    @property
+    def idle_since(self) -> float | None:
+        """When the connection last became idle (no request head complete), or None if busy."""
+        return None if self._draining else self._idle_since
+
     def drain(self) -> None:
         """Close now if idle; otherwise close when the request in progress is answered."""
         self._draining = True
@@ -85,6 +90,9 @@ class Connection(TCPServer):
                     await wake.wait()
                 if not wake.is_set():  # idle past the deadline
                     with trio.CancelScope(shield=True):
+                        # Hypercorn's first-request timer would hold the connection (and its
+                        # max_connections slot) open until it ran out.
+                        await self.idle_task.stop()
                         await self._initiate_server_close()
                     return
             self._wake = trio.Event()
@@ -96,8 +104,8 @@ class Connection(TCPServer):
                 self._write_scope = scope
                 try:
                     await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                    pass  # gone, or being closed: Hypercorn's close sends EOF without the send lock
                 else:
                     return
                 finally:

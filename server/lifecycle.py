@@ -136,6 +136,9 @@ class Server:
         self, listener: trio.SocketListener, handler: _Handler, connections: trio.Nursery, limit: trio.Semaphore
     ) -> None:
         while True:
+            if limit.value == 0:
+                await trio.lowlevel.wait_readable(listener.socket)  # a client is waiting
+                self._evict_idle()
             await limit.acquire()
             try:
                 stream = await listener.accept()
@@ -150,6 +153,14 @@ class Server:
                 limit.release()
                 raise
             connections.start_soon(self._connection, handler, stream, limit)
+
+    def _evict_idle(self) -> None:
+        """At max_connections, close the connection idle the longest (as nginx reuses idle
+        keep-alive connections), so that a flood of idle or slow-header connections cannot keep
+        real clients in the backlog until their keep-alive timers run out."""
+        idle = [(c.idle_since, i, c) for i, c in enumerate(self._connections) if c.idle_since is not None]
+        if idle:
+            min(idle)[2].drain()
 
     async def _connection(self, handler: _Handler, stream: trio.SocketStream, limit: trio.Semaphore) -> None:
         connection = handler(stream)
