@@ -1,0 +1,529 @@
+"""Start, drain and stop of real server processes: real signals, curl, httpx and raw sockets.
+
+Every server here runs with one llama.cpp thread (the machine has two cores and other tests
+may run beside these). Streams that must outlast a drain ban SmolLM2's end tokens through
+``logit_bias`` so that they cannot stop early. Timeouts on waits are hang guards, not
+expectations; the expectations are the assertions on times measured from the signal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from tests.server_process import ServerProcess
+
+# SmolLM2's <|endoftext|>, <|im_start|> and <|im_end|>: banned, a stream runs to max_tokens.
+NO_END_TOKENS = {"0": -100, "1": -100, "2": -100}
+SHUTTING_DOWN = {
+    "message": "server is shutting down",
+    "type": "server_error",
+    "param": None,
+    "code": "server_shutting_down",
+}
+# Hang guard for any single wait.
+GUARD = 60.0
+# Linux syscall number of pidfd_getfd (the same on every architecture since 5.6).
+SYS_PIDFD_GETFD = 438
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def server(*args: str, port: int = 0) -> ServerProcess:
+    return ServerProcess(["--threads", "1", *args], port=port)
+
+
+def chat_body(max_tokens: int, *, stream: bool = True, endless: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Tell me a story about a lighthouse."}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    if endless:
+        body["logit_bias"] = NO_END_TOKENS
+    return body
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = GUARD) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- clients ----------------------------------------------------------------------------------
+
+
+class CurlStream:
+    """``curl -sN`` streaming one chat completion; every ``data:`` event is timestamped."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [
+                *("curl", "-sN", "--max-time", str(GUARD), "-H", "Content-Type: application/json"),
+                *("-d", json.dumps(body), url + "/v1/chat/completions"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.events: list[tuple[float, str]] = []
+        self.raw: list[str] = []
+        self.ended_at: float | None = None
+        self.first_text = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                self.raw.append(line)
+                if line.startswith("data: "):
+                    payload = line[6:].rstrip("\n")
+                    self.events.append((time.monotonic(), payload))
+                    if _text(payload):
+                        self.first_text.set()
+        self.ended_at = time.monotonic()
+        self.first_text.set()  # no waiter hangs on a stream that ended without text
+
+    def finish(self) -> int:
+        """Wait for the end of the body; curl's exit code (0: complete, 18: body cut short)."""
+        self._reader.join(GUARD)
+        return self.proc.wait(GUARD)
+
+    def payloads(self) -> list[str]:
+        return [payload for _, payload in self.events]
+
+    def texts_after(self, moment: float) -> int:
+        return sum(1 for at, payload in self.events if at > moment and _text(payload))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._reader.join(GUARD)
+
+
+def _text(payload: str) -> bool:
+    if payload == "[DONE]":
+        return False
+    choices = json.loads(payload).get("choices") or [{}]
+    return bool(choices[0].get("delta", {}).get("content"))
+
+
+def _finish_reason(payload: str) -> str | None:
+    choices = json.loads(payload).get("choices") or [{}]
+    reason = choices[0].get("finish_reason")
+    return None if reason is None else str(reason)
+
+
+def assert_ended_by_shutdown(stream: CurlStream) -> None:
+    """The stream's last events are the shutting-down error and ``[DONE]``, and the body is
+    complete (curl exits 0, not 18)."""
+    assert stream.finish() == 0, "".join(stream.raw)
+    payloads = stream.payloads()
+    assert payloads[-1] == "[DONE]", payloads[-3:]
+    assert json.loads(payloads[-2]) == {"error": SHUTTING_DOWN}, payloads[-3:]
+    assert not any(_finish_reason(p) for p in payloads[:-1]), "a drained stream has no finish_reason"
+    assert "".join(stream.raw).endswith("data: [DONE]\n\n")
+
+
+@contextmanager
+def curl_streams(url: str, body: dict[str, Any], count: int) -> Iterator[list[CurlStream]]:
+    streams = [CurlStream(url, body) for _ in range(count)]
+    try:
+        yield streams
+    finally:
+        for stream in streams:
+            stream.kill()
+
+
+class HttpxStream(threading.Thread):
+    """One streamed chat completion through httpx in a thread; events are timestamped."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.body = body
+        self.events: list[tuple[float, str]] = []
+        self.error: BaseException | None = None
+        self.first_text = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json=self.body, timeout=GUARD) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append((time.monotonic(), line[6:]))
+                        if _text(line[6:]):
+                            self.first_text.set()
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            self.first_text.set()
+
+
+# -- sockets ------------------------------------------------------------------------------------
+
+
+def connection_refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def live_listener(pid: int, port: int) -> socket.socket:
+    """A duplicate of the listening socket of process ``pid`` on ``port``, taken with
+    pidfd_getfd, so that its options are read from the live socket itself."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            next(lines)
+            for line in lines:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{inode}]")
+    assert inodes, f"nothing listens on port {port}"
+    fd_dir = f"/proc/{pid}/fd"
+    target = next(int(fd) for fd in os.listdir(fd_dir) if _readlink(f"{fd_dir}/{fd}") in inodes)
+    pidfd = os.pidfd_open(pid)
+    try:
+        fd = _libc.syscall(SYS_PIDFD_GETFD, pidfd, target, 0)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "pidfd_getfd")
+    finally:
+        os.close(pidfd)
+    return socket.socket(fileno=fd)
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def http_get(sock: socket.socket, path: str) -> tuple[int, bytes]:
+    """One keep-alive GET on an open connection; the response's status and body."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    length = int(headers["content-length"])
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed mid-body"
+        body += chunk
+    return int(lines[0].split()[1]), body
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def time_wait_on(port: int) -> list[str]:
+    """Sockets in TIME-WAIT whose local port is ``port`` (the server's side)."""
+    out = subprocess.run(
+        ["ss", "-Htan", "state", "time-wait", f"( sport = :{port} )"], capture_output=True, text=True, check=True
+    ).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+def plain_bind(port: int) -> OSError | None:
+    """Bind ``127.0.0.1:port`` without SO_REUSEADDR; the error, or None when it worked."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            return exc
+    return None
+
+
+# -- 1. socket options --------------------------------------------------------------------------
+
+
+def test_listener_options_read_from_the_live_socket() -> None:
+    with server("--parallel", "1", "--ctx-size", "512") as proc:
+        proc.wait_ready()
+        with live_listener(proc.proc.pid, proc.port) as sock:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR) == 1
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 0
+        assert proc.stop() == 0
+    with server("--parallel", "1", "--ctx-size", "512", "--reuse-port") as proc:
+        proc.wait_ready()
+        with live_listener(proc.proc.pid, proc.port) as sock:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR) == 1
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
+        assert proc.stop() == 0
+
+
+# -- 2. restart on the same port ----------------------------------------------------------------
+
+
+def test_restart_on_the_same_port_right_after_sigint() -> None:
+    old = server("--parallel", "1", "--ctx-size", "512")
+    try:
+        old.wait_ready()
+        port = old.port
+        for _ in range(3):
+            stream = CurlStream(old.url, chat_body(8, endless=False))
+            assert stream.finish() == 0
+            assert stream.payloads()[-1] == "[DONE]"
+            assert _finish_reason(stream.payloads()[-2]) in {"stop", "length"}
+            old.send_signal(signal.SIGINT)
+            new = server("--parallel", "1", "--ctx-size", "512", port=port)  # at once, not after the exit
+            try:
+                assert old.wait(GUARD) == 0, old.log
+                new.wait_ready()
+                assert f"listening on http://127.0.0.1:{port}" in new.log
+            except BaseException:
+                new.__exit__(None, None, None)
+                raise
+            old.__exit__(None, None, None)
+            old = new
+        assert old.stop() == 0
+    finally:
+        old.__exit__(None, None, None)
+
+
+# -- 3. drain: in-flight streams finish, the listener is closed ---------------------------------
+
+
+def test_sigterm_lets_streams_finish_and_refuses_new_connections() -> None:
+    with server("--parallel", "3", "--ctx-size", "1536", "--drain-timeout", "30") as proc:
+        proc.wait_ready()
+        streams = [HttpxStream(proc.url, chat_body(60)) for _ in range(3)]
+        for stream in streams:
+            assert stream.first_text.wait(GUARD)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(max(0.0, signalled + 0.1 - time.monotonic()))
+        assert connection_refused(proc.port), "a connection 100 ms after SIGTERM was accepted"
+        for stream in streams:
+            stream.join(GUARD)
+            assert stream.error is None, repr(stream.error)
+            payloads = [payload for _, payload in stream.events]
+            assert payloads[-1] == "[DONE]"
+            assert _finish_reason(payloads[-2]) == "length"
+            assert not any("error" in json.loads(p) for p in payloads[:-1])
+            assert sum(1 for at, p in stream.events if at > signalled and _text(p)) > 0, "finished before the signal"
+        assert proc.wait(GUARD) == 0, proc.log
+
+
+# -- 4. the drain deadline ends long streams with an error event --------------------------------
+
+
+def test_drain_timeout_ends_streams_with_error_event_and_done() -> None:
+    # 3 sequences of 2304 tokens: room for the prompt and 2000 generated tokens each.
+    with server("--parallel", "3", "--ctx-size", "6912", "--drain-timeout", "1") as proc:
+        proc.wait_ready()
+        with curl_streams(proc.url, chat_body(2000), 3) as streams:
+            for stream in streams:
+                assert stream.first_text.wait(GUARD)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            deadline = signalled + 1.0
+            for stream in streams:
+                assert_ended_by_shutdown(stream)
+                assert stream.ended_at is not None
+                assert stream.ended_at <= deadline + 1.5, f"ended {stream.ended_at - deadline:.2f} s after the deadline"
+                assert stream.ended_at >= deadline - 0.1, "ended before the drain deadline"
+                assert stream.texts_after(signalled) > 0, "the stream did not run during the drain"
+        assert proc.wait(GUARD) == 0, proc.log
+
+
+# -- 5. a second signal ends the drain at once --------------------------------------------------
+
+
+def test_second_sigint_ends_the_drain_at_once() -> None:
+    with server("--parallel", "2", "--ctx-size", "4608", "--drain-timeout", "30") as proc:
+        proc.wait_ready()
+        with curl_streams(proc.url, chat_body(2000), 2) as streams:
+            for stream in streams:
+                assert stream.first_text.wait(GUARD)
+            first = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            assert all(stream.ended_at is None for stream in streams), "the first signal ended a stream"
+            second = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            for stream in streams:
+                assert_ended_by_shutdown(stream)
+                assert stream.ended_at is not None
+                assert stream.ended_at - second <= 1.0, f"ended {stream.ended_at - second:.2f} s after the 2nd signal"
+                assert stream.texts_after(first) > 0, "the stream did not run between the signals"
+        assert proc.wait(GUARD) == 0, proc.log
+
+
+# -- 6. queued requests end at once -------------------------------------------------------------
+
+
+def test_queued_requests_end_at_sigterm_without_decoding() -> None:
+    with server("--parallel", "1", "--ctx-size", "2304", "--drain-timeout", "2") as proc:
+        proc.wait_ready()
+        with curl_streams(proc.url, chat_body(2000), 1) as (running,):
+            assert running.first_text.wait(GUARD)
+            queued_stream = CurlStream(proc.url, chat_body(50))
+            plain: dict[str, Any] = {}
+
+            def non_streamed() -> None:
+                url = proc.url + "/v1/chat/completions"
+                response = httpx.post(url, json=chat_body(50, stream=False), timeout=GUARD)
+                plain.update(status=response.status_code, body=response.json(), at=time.monotonic())
+
+            waiter = threading.Thread(target=non_streamed, daemon=True)
+            waiter.start()
+            try:
+                wait_for(lambda: proc.metrics().get("llama_trio_queue_depth") == 2, "two queued requests")
+                signalled = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+
+                assert queued_stream.finish() == 0
+                payloads = queued_stream.payloads()
+                assert [json.loads(p)["choices"][0]["delta"] for p in payloads[:-2]] == [
+                    {"role": "assistant", "content": ""}
+                ], "a queued stream decoded"
+                assert json.loads(payloads[-2]) == {"error": SHUTTING_DOWN}
+                assert payloads[-1] == "[DONE]"
+                assert queued_stream.ended_at is not None and queued_stream.ended_at - signalled < 0.75
+
+                waiter.join(GUARD)
+                assert plain["status"] == 503
+                assert plain["body"] == {"error": SHUTTING_DOWN}
+                assert plain["at"] - signalled < 0.75
+
+                assert running.ended_at is None, "the running stream should still be draining"
+                assert_ended_by_shutdown(running)
+            finally:
+                queued_stream.kill()
+        assert proc.wait(GUARD) == 0, proc.log
+
+
+# -- 7. a busy port -----------------------------------------------------------------------------
+
+
+def test_busy_port_exits_nonzero_with_one_line() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "server", "--port", str(port), "--threads", "1"],
+            capture_output=True,
+            text=True,
+            timeout=GUARD,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+    assert result.returncode != 0
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [f"llama-trio: cannot listen on 127.0.0.1:{port}: address already in use"]
+
+
+# -- 8. /health on an open keep-alive connection ------------------------------------------------
+
+
+def test_keep_alive_connection_at_drain_start_is_closed_cleanly_or_told_draining() -> None:
+    """Observed: Hypercorn closes idle keep-alive connections as the drain starts (FIN, no
+    RST), so a second /health on such a connection is never answered; were the connection
+    still open, the answer must be 503 draining."""
+    with server("--parallel", "1", "--ctx-size", "2304", "--drain-timeout", "1") as proc:
+        proc.wait_ready()
+        with (
+            curl_streams(proc.url, chat_body(2000), 1) as (running,),
+            socket.create_connection(("127.0.0.1", proc.port), timeout=GUARD) as conn,
+        ):
+            assert http_get(conn, "/health") == (200, b'{"status": "ok"}')
+            assert running.first_text.wait(GUARD)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: connection_refused(proc.port), "the listener to close", timeout=5)
+            readable, _, _ = select.select([conn], [], [], 1.0)
+            if readable:
+                assert conn.recv(1) == b"", "unexpected data on an idle connection"  # FIN: a clean close
+                assert time.monotonic() - signalled < 1.0
+            else:
+                assert http_get(conn, "/health") == (503, b'{"status": "draining"}')
+            assert_ended_by_shutdown(running)
+        assert proc.wait(GUARD) == 0, proc.log
+
+
+# -- 9. TIME_WAIT after exit --------------------------------------------------------------------
+
+
+def test_no_time_wait_on_the_port_when_clients_closed_first() -> None:
+    with server("--parallel", "1", "--ctx-size", "512") as proc:
+        proc.wait_ready()
+        port = proc.port
+        for _ in range(2):
+            stream = CurlStream(proc.url, chat_body(8, endless=False))
+            assert stream.finish() == 0
+        assert proc.stop(signal.SIGINT) == 0
+    # Clients closed first, so their side holds the TIME_WAIT; the server's port holds none.
+    assert time_wait_on(port) == []
+    assert plain_bind(port) is None
+
+
+def test_time_wait_when_the_server_closed_first_needs_so_reuseaddr() -> None:
+    """The contrast to the test above: an idle keep-alive connection is closed by the server at
+    drain start, so the server's side keeps a TIME_WAIT; a plain bind then fails, and a new
+    server (SO_REUSEADDR) still binds."""
+    with server("--parallel", "1", "--ctx-size", "512") as proc:
+        proc.wait_ready()
+        port = proc.port
+        with socket.create_connection(("127.0.0.1", port), timeout=GUARD) as conn:
+            assert http_get(conn, "/health")[0] == 200
+            assert proc.stop(signal.SIGINT) == 0
+            assert conn.recv(1) == b""
+    assert time_wait_on(port)
+    failure = plain_bind(port)
+    assert failure is not None and failure.errno == errno.EADDRINUSE
+    with server("--parallel", "1", "--ctx-size", "512", port=port) as again:
+        again.wait_ready()
+        assert again.stop() == 0
+
+
+# -- the hypercorn CLI launch -------------------------------------------------------------------
+
+
+def test_hypercorn_cli_serves_a_stream_and_exits_on_sigterm() -> None:
+    port = free_port()
+    hypercorn = os.path.join(os.path.dirname(sys.executable), "hypercorn")
+    env = {"LLAMA_TRIO_PARALLEL": "1", "LLAMA_TRIO_CTX_SIZE": "512", "LLAMA_TRIO_THREADS": "1"}
+    argv = [hypercorn, "--worker-class", "trio", "--bind", f"127.0.0.1:{port}", "server.app:create_app()"]
+    with ServerProcess(argv=argv, port=port, env=env) as proc:
+        proc.wait_ready()
+        stream = CurlStream(proc.url, chat_body(8, endless=False))
+        assert stream.finish() == 0
+        payloads = stream.payloads()
+        assert payloads[-1] == "[DONE]"
+        assert _finish_reason(payloads[-2]) in {"stop", "length"}
+        assert sum(1 for p in payloads if _text(p)) > 0
+        assert proc.stop(signal.SIGTERM) == 0, proc.log
