@@ -127,7 +127,7 @@ def test_content_as_text_parts(sdk: openai.OpenAI) -> None:
 
 def test_raw_sse_stream(server: ServerProcess) -> None:
     body = {"messages": CHAT, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as response:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["cache-control"] == "no-cache"
@@ -148,7 +148,7 @@ def test_raw_sse_stream(server: ServerProcess) -> None:
 
 def test_raw_sse_without_usage_and_completion_shape(server: ServerProcess) -> None:
     body = {"prompt": "Hello", "max_tokens": 4, "stream": True}
-    raw = httpx.post(server.url + "/v1/completions", json=body, timeout=30).content
+    raw = httpx.post(server.url + "/v1/completions", json=body, timeout=120).content
     events = sse_events(raw)
     assert events[-1] == b"data: [DONE]"
     payloads = [json.loads(e[6:]) for e in events[:-1]]
@@ -162,7 +162,7 @@ def test_raw_sse_without_usage_and_completion_shape(server: ServerProcess) -> No
 def test_disconnect_mid_stream_stops_decoding(server: ServerProcess) -> None:
     before = server.metrics()
     body = {"messages": CHAT, "max_tokens": 1000, "stream": True, "temperature": 0.7}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as response:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as response:
         lines = response.iter_lines()
         got = 0
         for line in lines:
@@ -171,7 +171,7 @@ def test_disconnect_mid_stream_stops_decoding(server: ServerProcess) -> None:
                 if got == 5:
                     break
     # the connection is closed here
-    wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, timeout=5)
+    wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, timeout=20)
     after = server.metrics()
     assert (
         after["llama_trio_cancellations_total{phase=generate}"]
@@ -193,13 +193,13 @@ def test_disconnect_while_queued_never_decodes() -> None:
         result: dict[str, object] = {}
 
         def run_long() -> None:
-            result["response"] = httpx.post(server.url + "/v1/completions", json=long_body, timeout=60).json()
+            result["response"] = httpx.post(server.url + "/v1/completions", json=long_body, timeout=120).json()
 
         runner = threading.Thread(target=run_long)
         runner.start()
         wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1)
         queued = {"prompt": "A completely different prompt", "max_tokens": 50, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=queued, timeout=30) as response:
+        with httpx.stream("POST", server.url + "/v1/completions", json=queued, timeout=120) as response:
             assert response.status_code == 200
             wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1)
         runner.join(60)
@@ -215,11 +215,9 @@ def test_disconnect_while_queued_never_decodes() -> None:
 # -- errors --------------------------------------------------------------------------------------
 
 
-def post(server: ServerProcess, path: str, body: object, **kw: object) -> httpx.Response:
+def post(server: ServerProcess, path: str, body: object, timeout: float = 120) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(
-        server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30, **kw
-    )  # type: ignore[arg-type]
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=timeout)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
@@ -281,7 +279,7 @@ def test_context_length_exceeded(server: ServerProcess) -> None:
 
 def test_max_tokens_beyond_context_ends_with_length(server: ServerProcess) -> None:
     prompt = "word " * 1000
-    response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5000, "temperature": 0})
+    response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5000, "temperature": 0}, timeout=300)
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["choices"][0]["finish_reason"] == "length"
@@ -303,9 +301,9 @@ def test_queue_full_is_503_with_retry_after() -> None:
     with ServerProcess(["--parallel", "1", "--max-queue", "1", "--ctx-size", "1024"]) as server:
         server.wait_ready()
         body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 200, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30):
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120):
             wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1)
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30):
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120):
                 wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1)
                 response = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
                 assert_error(response, 503, code="overloaded")
