@@ -215,7 +215,7 @@ async def test_slow_consumer_does_not_slow_a_fast_one(model: ffi.Model, engine: 
 
     async def fast() -> None:
         nonlocal fast_done_at_slow_count
-        result = await collect(engine, job(model, PROMPTS[0], FAST_TOKENS))
+        result = await collect(engine, job(model, "Count: 1, 2, 3, 4,", FAST_TOKENS))  # never stops early
         assert len(result.tokens) == FAST_TOKENS
         fast_done_at_slow_count = slow_read
 
