@@ -139,7 +139,7 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
         size = len(scope.get("raw_path", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         if size > settings.max_header_size:
             message = f"request headers are larger than {settings.max_header_size} bytes"
-            return ApiError(431, message, code="request_header_too_large").response()
+            return ApiError(431, message, code="request_header_too_large", headers={"Connection": "close"}).response()
         return None
 
     @app.before_request
@@ -176,14 +176,16 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
-        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        codes = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
         message = {
             404: f"no route for {request.path}",
             405: f"{request.method} is not allowed on {request.path}",
             413: f"request body is larger than {settings.max_body} bytes",
         }.get(status, exc.description or exc.name)
         type_ = "invalid_request_error" if status < 500 else "server_error"
-        return ApiError(status, message, type_=type_, code=codes.get(status)).response()
+        # The body was not read (whole): the connection cannot carry another request.
+        headers = {"Connection": "close"} if status in {408, 413} else None
+        return ApiError(status, message, type_=type_, code=codes.get(status), headers=headers).response()
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:

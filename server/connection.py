@@ -39,10 +39,12 @@ class Connection(TCPServer):
         self._wake = trio.Event()
         self._hard_deadline = math.inf
         self._write_scope: trio.CancelScope | None = None
+        self._scope: trio.CancelScope | None = None
 
     async def serve(self) -> None:
         self._idle_since = trio.current_time()
         async with trio.open_nursery() as nursery:
+            self._scope = nursery.cancel_scope
             nursery.start_soon(self._watch_idle)
             try:
                 await self.run()
@@ -78,6 +80,17 @@ class Connection(TCPServer):
             await self.idle_task.stop()
             return
         await super().protocol_send(event)
+
+    async def _close(self) -> None:
+        # Shielded: a response that ends before its request body was read is followed by
+        # Hypercorn's close in the task that sent it, and Quart-Trio cancels that task as it
+        # hears of the end, which left the socket open with a half-read body on it (the next
+        # request on it then hung). Once closed, nothing here has more to do: the read loop may
+        # be stuck handing body data to an app that is gone, so the connection's tasks end too.
+        with trio.CancelScope(shield=True):
+            await super()._close()
+        if self._scope is not None:
+            self._scope.cancel()
 
     async def _watch_idle(self) -> None:
         while True:
