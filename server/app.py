@@ -44,6 +44,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 40
 DEFAULT_MIN_P = 0.05
+# Names of unknown request fields logged once each; at most this many, this long, are kept.
+MAX_WARNED_FIELDS = 64
+MAX_FIELD_NAME = 64
 
 
 class ApiError(Exception):
@@ -268,10 +271,16 @@ def _sampling(req: schema._Sampling, n_vocab: int) -> ffi.SamplingParams:
 
 
 def _warn_extra(state: ServerState, req: pydantic.BaseModel) -> None:
-    extra = set(req.model_extra or {}) - state.warned_fields
+    # Clients choose these names: remember a bounded number of them, each cut short, and log
+    # them quoted (a name may hold newlines).
+    room = MAX_WARNED_FIELDS - len(state.warned_fields)
+    if room <= 0:
+        return
+    extra = {name[:MAX_FIELD_NAME] for name in req.model_extra or {}} - state.warned_fields
     if extra:
-        state.warned_fields |= extra
-        logging.getLogger(__name__).info("ignoring request fields we do not use: %s", ", ".join(sorted(extra)))
+        names = sorted(extra)[:room]
+        state.warned_fields.update(names)
+        logging.getLogger(__name__).info("ignoring request fields we do not use: %s", ", ".join(map(repr, names)))
 
 
 async def _prepare(state: ServerState, *, chat: bool) -> _Prepared:

@@ -31,3 +31,24 @@ def server():
         proc.wait_ready()
         yield proc
         proc.stop()
+
+
+# -- reliability runs: soak length and fuzzing examples (longer runs: raise them) -------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    import os
+
+    group = parser.getgroup("llama-trio reliability")
+    group.addoption(
+        "--soak-seconds",
+        type=float,
+        default=float(os.environ.get("LLAMA_TRIO_SOAK_SECONDS", "60")),
+        help="how long the soak test sends requests (env LLAMA_TRIO_SOAK_SECONDS; default 60)",
+    )
+    group.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=int(os.environ.get("LLAMA_TRIO_FUZZ_EXAMPLES", "200")),
+        help="hypothesis examples per fuzzed endpoint (env LLAMA_TRIO_FUZZ_EXAMPLES; default 200)",
+    )
