@@ -61,7 +61,10 @@ _HELP = {
     "parallel": "sequences decoded together (concurrent requests)",
     "ctx_size": "KV cache cells in all; each sequence gets ctx-size / parallel",
     "batch_size": "tokens per decode step (prompt chunks plus one per running sequence)",
-    "threads": "CPU threads for llama.cpp; leave a core free when other work shares the machine (threads that wait on each other stall when one is preempted)",
+    "threads": (
+        "CPU threads for llama.cpp; leave a core free when other work shares the machine "
+        "(threads that wait on each other stall when one is preempted)"
+    ),
     "alias": "model id reported by the API (default: the model file's name)",
     "api_key": "accepted API key (repeatable; env: comma-separated)",
     "api_key_file": "file with one API key per line",
