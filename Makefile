@@ -12,7 +12,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup run test bench bench-binding lint llama ffi clean
+.PHONY: setup run test bench bench-binding bench-engine lint llama ffi clean
 
 setup: ffi $(VENV)/.model
 
@@ -42,6 +42,21 @@ test: setup
 # BENCH_ARGS="--runs 3" etc. Writes bench/results/binding.json.
 bench-binding: setup
 	$(PY) -m bench.binding $(BENCH_ARGS)
+
+# Our engine (no HTTP) vs llama-batched-bench at 1, 4 and 16 sequences. Writes
+# bench/results/engine.json.
+bench-engine: setup
+	$(PY) -m bench.engine $(BENCH_ARGS)
+
+$(VENV)/.bench: pyproject.toml | $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $@
+
+# Our server vs llama-server side by side over HTTP (llama-server is built on first use; a
+# no-op when it is there). Writes bench/results/server.{md,png,json}.
+bench: setup $(VENV)/.bench
+	PYTHON=$(PY) vendor/build.sh llama-server
+	$(PY) -m bench.server $(BENCH_ARGS)
 
 lint: setup
 	$(PY) -m ruff check ffi server tests bench build_ffi.py

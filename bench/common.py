@@ -10,6 +10,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,84 @@ def load_average() -> tuple[float, float, float] | None:
         return None
 
 
+def _busy_seconds() -> float | None:
+    """CPU seconds all cores have spent busy since boot (``/proc/stat``), or None elsewhere."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is already inside user)
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process (``/proc/PID/stat``), in seconds."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        stat = f.read()
+    # The command name may hold spaces and parentheses; the fields after the last ")" do not.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class CpuWatch:
+    """How busy the machine was with *other* work while something was measured.
+
+    ``CpuWatch(pids)`` starts watching; ``foreign_cores()`` is the average number of cores
+    that processes other than this one, its waited-for children and ``pids`` kept busy since
+    then. On a shared machine a run with a high value competed for the cores and is suspect.
+    None where ``/proc`` is missing.
+    """
+
+    def __init__(self, pids: Sequence[int] = ()) -> None:
+        self._pids = list(pids)
+        self._wall = time.monotonic()
+        self._busy = _busy_seconds()
+        self._own = _own_cpu_seconds() + self._pid_seconds()
+
+    def _pid_seconds(self) -> float:
+        total = 0.0
+        for pid in self._pids:
+            try:
+                total += process_cpu_seconds(pid)
+            except (OSError, ValueError):
+                pass
+        return total
+
+    def foreign_cores(self) -> float | None:
+        busy = _busy_seconds()
+        if busy is None or self._busy is None:
+            return None
+        wall = time.monotonic() - self._wall
+        own = _own_cpu_seconds() + self._pid_seconds() - self._own
+        return max(0.0, (busy - self._busy - own) / wall) if wall > 0 else None
+
+
+def wait_for_quiet(
+    max_foreign: float, *, quiet_s: float = 2.0, probe_s: float = 0.5, give_up_s: float = 300.0
+) -> float:
+    """Block until other processes have kept at most ``max_foreign`` cores busy for ``quiet_s``
+    in a row (probed every ``probe_s``; at most ``give_up_s``); returns the seconds waited.
+    On 2 cores llama.cpp's threads wait for each other at every graph node, so one busy
+    neighbour slows a decode many times over; a measurement taken then says nothing."""
+    start = time.monotonic()
+    quiet_since = start
+    while time.monotonic() - start < give_up_s:
+        watch = CpuWatch()
+        time.sleep(probe_s)
+        if (watch.foreign_cores() or 0.0) > max_foreign:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+    return time.monotonic() - start
+
+
 def machine_info() -> dict[str, Any]:
     """What a reader needs to compare results across machines."""
     return {
@@ -130,6 +209,40 @@ def write_results(name: str, data: dict[str, Any]) -> pathlib.Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
+
+
+def jsonl_records(output: str, key: str) -> list[dict[str, Any]]:
+    """The JSON objects among ``output``'s lines that have ``key`` (llama.cpp tools mix log
+    lines with their ``--output-format jsonl`` records)."""
+    records: list[dict[str, Any]] = []
+    for line in output.splitlines():
+        line = line.strip()
+        if line.startswith("{") and f'"{key}"' in line:
+            records.append(json.loads(line))
+    return records
+
+
+# What a benchmark measures of ours: uncommitted changes here make its commit id misleading.
+MEASURED_PATHS = ("server", "ffi", "build_ffi.py", "vendor")
+
+
+def git_version() -> dict[str, Any]:
+    """This checkout's commit, and whether the code a benchmark measures (``MEASURED_PATHS``)
+    differs from it (changes to the benchmarks themselves do not count)."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, check=True, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *MEASURED_PATHS],
+            cwd=REPO_ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(dirty)}
 
 
 def llama_pin() -> dict[str, str]:
