@@ -22,14 +22,10 @@ import collections
 import contextlib
 import enum
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import outcome
 import trio
 
 import ffi
@@ -238,49 +234,6 @@ class Stream:
         return item
 
 
-# -- the decode thread -----------------------------------------------------------------------
-
-
-class _DecodeThread:
-    """One long-lived thread that runs the engine's decode steps.
-
-    ``await run(fn, arg)`` hands the step over without yielding to other tasks first (so the
-    decode starts at once), then lets them run while it decodes. It costs about a third of
-    ``trio.to_thread.run_sync``'s round trip, which matters at one sequence: a step is ~8 ms.
-
-    *Cancellation*: a step in progress is waited for, never abandoned (it holds the context);
-    the cancellation is delivered when it returns.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[Any], Any], Any, Callable[[Any], None]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread = threading.Thread(target=self._main, name="llama-decode", daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, arg, done = job
-            done(outcome.capture(fn, arg))
-
-    async def run(self, fn: Callable[[Any], Any], arg: Any) -> Any:
-        task = trio.lowlevel.current_task()
-        token = trio.lowlevel.current_trio_token()
-
-        def done(result: outcome.Outcome[Any]) -> None:
-            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-
-        self._jobs.put((fn, arg, done))
-        return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
-
-    def close(self) -> None:
-        """Stop the thread once its current step (if any) is done. Idempotent."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
-
-
 # -- the engine ------------------------------------------------------------------------------
 
 
@@ -310,7 +263,6 @@ class Engine:
         )
         self.n_ctx_seq = self.context.n_ctx_seq
         self._batch = ffi.Batch(config.n_batch)
-        self._thread = _DecodeThread()
         self._slots = [_Slot(i) for i in range(config.n_parallel)]
         self._queue: collections.deque[_Request] = collections.deque()
         self._wakeup = trio.Event()
@@ -411,7 +363,7 @@ class Engine:
                     continue
                 started = time.perf_counter()
                 try:
-                    sampled = await self._thread.run(self._step, plan)
+                    sampled = await trio.to_thread.run_sync(self._step, plan)
                 except ffi.DecodeError as exc:
                     self._fail_step(plan, exc)
                     continue
@@ -639,7 +591,6 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._thread.close()
         for slot in self._slots:
             if slot.request is not None and slot.request.sampler is not None:
                 slot.request.sampler.close()
