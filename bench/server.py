@@ -26,8 +26,9 @@ One run of a side starts a fresh server and measures, in this order:
 - TTFT (request sent to the first non-empty content delta, connect included) p50 and p95 at
   1 and 4 concurrent streams: clients start 0.1 s apart and each sends ``--ttft-requests``
   requests of 16 tokens;
-- TTFT of a second chat turn: turn 1 (64 tokens), then turn 2 = turn 1's messages + the
-  assistant's answer + a new user message; both servers can reuse turn 1's cached prefix;
+- TTFT of a second chat turn (with a system prompt of about 250 tokens): turn 1 (64 tokens),
+  then turn 2 = turn 1's messages + the assistant's answer + a new user message; both servers
+  can reuse turn 1's cached prefix;
 - CPU seconds the server spends after a client disconnects mid-stream (a 384-token stream
   closed after 16 pieces): utime + stime from ``/proc/PID/stat``, sampled every 20 ms until it
   stops rising for 0.5 s, and the time until it stopped;
@@ -110,6 +111,27 @@ QUESTIONS = (
     "Plan a relaxing weekend trip to the mountains for two people on a small budget.",
 )
 FOLLOW_UP = "Thank you. Now summarise your answer in one sentence."
+# The system prompt of the two-turn chats: real assistants carry a few hundred tokens of
+# instructions, and that shared prefix is what a second turn should not compute again (about
+# 230 tokens here, so that both turns fit in a sequence's 512 cells).
+CHAT_INSTRUCTIONS = " ".join(
+    [
+        "Answer in plain English, in short paragraphs, and keep a friendly, patient tone.",
+        "When a question is ambiguous, say which reading you chose and why before answering.",
+        "Prefer concrete examples over abstract statements, and numbers over vague words.",
+        "Never invent sources, quotations, statistics or names; say so when you do not know.",
+        "If the user asks for code, give a short, complete example and explain each part.",
+        "If the user asks for a summary, keep it to the points that change a decision.",
+        "Use metric units first and give imperial units in parentheses when they help.",
+        "Avoid jargon; when a technical term is needed, define it the first time it appears.",
+        "Check arithmetic twice and show the steps of any calculation that matters.",
+        "Keep lists short: three to five items, each a full sentence with a verb.",
+        "When safety is involved, such as electricity, chemicals or medicine, say so clearly.",
+        "Do not repeat the question back; start with the answer, then give the reasons.",
+        "If the user writes in another language, answer in that language.",
+        "End with one question that would help the user go further, when it is useful.",
+    ]
+)
 
 
 # -- a minimal HTTP/1.1 + SSE client --------------------------------------------------------
@@ -530,6 +552,7 @@ async def measure_second_turn(session: Session, conversations: int) -> dict[str,
     out = []
     for _ in range(conversations):
         messages = session.messages()
+        messages[0]["content"] += " " + CHAT_INSTRUCTIONS
         turn1 = await stream_chat(session.port, _chat_body(messages, TURN1_MAX_TOKENS, session.banned))
         _check([turn1], TURN1_MAX_TOKENS, "turn 1")
         messages += [{"role": "assistant", "content": turn1.text}, {"role": "user", "content": FOLLOW_UP}]
