@@ -160,10 +160,7 @@ class _Request:
         "n_generated",
         "cached_tokens",
         "pending",
-        "max_pos",
         "paused",
-        "submitted_at",
-        "first_token_at",
     )
 
     def __init__(self, job: Job, channel_size: int) -> None:
@@ -180,10 +177,7 @@ class _Request:
         self.n_generated = 0
         self.cached_tokens = 0
         self.pending: int | None = None  # sampled token to decode next step
-        self.max_pos = 0
         self.paused = False
-        self.submitted_at = time.monotonic()
-        self.first_token_at: float | None = None
 
     def channel_full(self) -> bool:
         stats = self.send.statistics()
@@ -213,10 +207,6 @@ class Stream:
     def __init__(self, engine: Engine, request: _Request) -> None:
         self._engine = engine
         self._request = request
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self._request.job.prompt)
 
     def __aiter__(self) -> Stream:
         return self
@@ -431,7 +421,6 @@ class Engine:
             request.n_past = reuse
             request.n_prompt_done = reuse
             request.cached_tokens = reuse
-            request.max_pos = self.n_ctx_seq
             request.sampler = sampler
             request.detok = ffi.Detokenizer(self.vocab)
             self.stats.cached_tokens += reuse
@@ -502,7 +491,6 @@ class Engine:
         return out
 
     def _deliver(self, sampled: list[tuple[_Slot, int]]) -> None:
-        now = time.monotonic()
         vocab = self.vocab
         for slot, token in sampled:
             request = slot.request
@@ -510,7 +498,6 @@ class Engine:
                 continue
             if request.phase is Phase.PREFILL:
                 request.phase = Phase.GENERATE
-                request.first_token_at = now
                 self.stats.prompt_tokens += len(request.job.prompt) - request.cached_tokens
             if request.released:
                 continue  # reaped before the next step
@@ -530,7 +517,7 @@ class Engine:
                     finish = "stop"
                 elif request.job.max_tokens is not None and request.n_generated >= request.job.max_tokens:
                     finish = "length"
-                elif request.n_past >= request.max_pos:
+                elif request.n_past >= self.n_ctx_seq:
                     finish = "length"  # the sequence's context is full
             if finish is None:
                 request.pending = token
