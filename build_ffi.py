@@ -1,11 +1,12 @@
 """cffi out-of-line API-mode builder for ``ffi._llama``.
 
 Compiles a small extension against the pinned ``llama.h`` (declarations in
-``ffi/llama.cdef.h``) and links it to the shared libraries that ``vendor/build.sh`` put in the
-cache, with an rpath so that no ``LD_LIBRARY_PATH`` is needed.
+``ffi/llama.cdef.h``), plus our own C helpers (``ffi/helpers.h``), and links it to the shared
+libraries that ``vendor/build.sh`` put in the cache, with an rpath so that no
+``LD_LIBRARY_PATH`` is needed.
 
 Run ``python build_ffi.py`` (the Makefile does) to build in place. It does nothing when the
-extension is already built from the same declarations, builder and llama.cpp prefix. The prefix
+extension is already built from the same declarations, helpers, builder and llama.cpp prefix. The prefix
 is ``$LLAMA_CPP_PREFIX`` when set, else the one ``vendor/build.sh --print-prefix`` names.
 """
 
@@ -23,6 +24,7 @@ from cffi import FFI
 
 ROOT = pathlib.Path(__file__).resolve().parent
 CDEF = ROOT / "ffi" / "llama.cdef.h"
+HELPERS = ROOT / "ffi" / "helpers.h"
 STAMP = ROOT / "ffi" / ".build-stamp"
 MODULE = "ffi._llama"
 
@@ -43,8 +45,8 @@ def make_builder(prefix: pathlib.Path) -> FFI:
     lib_dir = str(prefix / "lib")
     builder.set_source(
         MODULE,
-        '#include "llama.h"',
-        include_dirs=[str(prefix / "include")],
+        '#include "llama.h"\n#include "helpers.h"',
+        include_dirs=[str(prefix / "include"), str(HELPERS.parent)],
         library_dirs=[lib_dir],
         libraries=["llama", "ggml", "ggml-base"],
         extra_link_args=[f"-Wl,-rpath,{lib_dir}"],
@@ -54,7 +56,7 @@ def make_builder(prefix: pathlib.Path) -> FFI:
 
 def _fingerprint(prefix: pathlib.Path) -> str:
     h = hashlib.sha256()
-    for part in (CDEF.read_bytes(), pathlib.Path(__file__).read_bytes(), str(prefix).encode()):
+    for part in (CDEF.read_bytes(), HELPERS.read_bytes(), pathlib.Path(__file__).read_bytes(), str(prefix).encode()):
         h.update(part)
         h.update(b"\0")
     lib = prefix / "lib" / "libllama.so"

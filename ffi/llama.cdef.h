@@ -148,10 +148,15 @@ struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t pen
                                                     float penalty_freq, float penalty_present);
 struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
                                                      const llama_logit_bias * logit_bias);
+float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 void llama_sampler_reset(struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
+
+/* our helpers (ffi/helpers.h) */
+int32_t llama_trio_greedy(const float * logits, int32_t n, const int32_t * bias_tokens,
+                          const float * bias_values, int32_t n_bias);
 
 /* callbacks implemented in Python (ffi/_callbacks.py) */
 extern "Python" void _llama_trio_log(enum ggml_log_level, const char *, void *);

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import pathlib
+from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import ffi
+from ffi._lib import ffi as ffi_c
+from ffi._lib import lib
 
 PROMPT = "The three primary colors are"
 
@@ -140,6 +146,82 @@ def test_penalties_and_logit_bias_steer_sampling(model: ffi.Model, context: ffi.
     banned = plain[0]
     biased = generate(model, context, prompt, 8, ffi.SamplingParams(temperature=0, logit_bias={banned: -100.0}))
     assert banned not in biased
+
+
+def _llama_greedy_chain(n_vocab: int, bias: dict[int, float]) -> Any:
+    """llama.cpp's own greedy sampler (behind its logit-bias sampler), for comparison."""
+    chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+    if bias:
+        entries = ffi_c.new("llama_logit_bias[]", len(bias))
+        for i, (token, value) in enumerate(bias.items()):
+            entries[i].token = token
+            entries[i].bias = value
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_logit_bias(n_vocab, len(bias), entries))
+    lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+    return chain
+
+
+def test_fast_greedy_picks_what_llama_cpp_greedy_picks(model: ffi.Model, context: ffi.Context) -> None:
+    """Over every position of a real text (one logits row each), with and without biases
+    (including tokens 0 and n_vocab - 1 and the row's own winners), our one-pass greedy
+    picks the same token as llama.cpp's sampler chain."""
+    n_vocab = model.vocab.n_tokens
+    text = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 3
+    tokens = model.vocab.tokenize(text)
+    with ffi.Batch(len(tokens)) as batch:
+        for i, token in enumerate(tokens):
+            batch.add(token, i, 0, logits=True)
+        context.decode(batch)
+    plain_winners = {ffi.Sampler(ffi.SamplingParams(temperature=0), n_vocab).sample(context, i) for i in range(8)}
+    biases = [
+        {},
+        {0: 50.0, n_vocab - 1: -1.0},
+        {t: float("-inf") for t in plain_winners},
+        {t: -0.5 for t in range(0, n_vocab, 97)} | {n_vocab - 1: 3.0},
+    ]
+    for bias in biases:
+        ours = ffi.Sampler(ffi.SamplingParams(temperature=0, logit_bias=bias), n_vocab)
+        theirs = _llama_greedy_chain(n_vocab, bias)
+        try:
+            picked = [ours.sample(context, i) for i in range(len(tokens))]
+            expected = [lib.llama_sampler_sample(theirs, context.ptr, i) for i in range(len(tokens))]
+        finally:
+            ours.close()
+            lib.llama_sampler_free(theirs)
+        assert picked == expected
+    context.seq_rm(0)
+
+
+def _ties(n: int, at: list[int]) -> list[float]:
+    return [9.0 if i in at else float(i % 7) for i in range(n)]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    values=st.lists(st.floats(-5, 5, width=32) | st.sampled_from([-math.inf, 2.5]), min_size=1, max_size=300)
+    | st.builds(_ties, st.integers(1, 300), st.lists(st.integers(0, 299), max_size=3)),
+    data=st.data(),
+)
+@example(values=_ties(200, [5, 70, 130]), data=None)
+@example(values=_ties(200, [70, 199]), data=None)
+@example(values=_ties(130, [129, 0]), data=None)
+@example(values=[-math.inf] * 100, data=None)
+@example(values=[1.0] * 150, data=None)
+def test_greedy_helper_is_first_index_of_the_biased_maximum(values: list[float], data: st.DataObject | None) -> None:
+    """The helper against a plain reference: ties within and across its 64-value blocks and
+    in the tail, biases anywhere (including -inf); it picks the first index of the maximum."""
+    n = len(values)
+    bias: dict[int, float] = {}
+    if data is not None:
+        bias = data.draw(st.dictionaries(st.integers(0, n - 1), st.floats(-3, 3, width=32) | st.just(-math.inf)))
+    row = ffi_c.new("float[]", values)
+    order = sorted(bias)
+    picked = lib.llama_trio_greedy(
+        row, n, ffi_c.new("int32_t[]", order), ffi_c.new("float[]", [bias[t] for t in order]), len(order)
+    )
+    biased = [ffi_c.cast("float", v + bias.get(i, 0.0)) for i, v in enumerate(values)]  # float32 sums
+    scores = [float(ffi_c.cast("double", v)) for v in biased]
+    assert picked == scores.index(max(scores))
 
 
 def test_missing_model_raises(tmp_path: pathlib.Path) -> None:

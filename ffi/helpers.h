@@ -1,0 +1,88 @@
+/* Small C helpers compiled into ffi._llama beside the llama.cpp declarations (build_ffi.py).
+ * They do per-token work that would cost tens of microseconds in Python or in a general
+ * llama.cpp sampler chain. Declared for cffi at the end of ffi/llama.cdef.h. */
+#include <math.h>
+#include <stdint.h>
+
+/* The largest value of x[from..to) (to > from) and, in *at, the first index holding it. NaNs
+ * are never picked, except that x[from] is the answer when nothing is larger than it. Blocks
+ * of 64 are reduced in 8 independent lanes (vectorizable); only the block that holds the
+ * winner is scanned again for its index. */
+static float llama_trio_max_run(const float *x, int32_t from, int32_t to, int32_t *at)
+{
+    float best = x[from];
+    int32_t block = from;
+    int32_t i = from;
+    for (; i + 64 <= to; i += 64) {
+        float lane[8];
+        for (int k = 0; k < 8; k++) {
+            lane[k] = -INFINITY;
+        }
+        for (int j = 0; j < 64; j += 8) {
+            for (int k = 0; k < 8; k++) {
+                float v = x[i + j + k];
+                lane[k] = v > lane[k] ? v : lane[k];
+            }
+        }
+        float m = lane[0];
+        for (int k = 1; k < 8; k++) {
+            m = lane[k] > m ? lane[k] : m;
+        }
+        if (m > best) {
+            best = m;
+            block = i;
+        }
+    }
+    int32_t tail = -1;
+    for (; i < to; i++) {
+        if (x[i] > best) {
+            best = x[i];
+            tail = i;
+        }
+    }
+    *at = from;
+    if (tail >= 0) {
+        *at = tail;
+    } else {
+        int32_t end = block + 64 < to ? block + 64 : to;
+        for (int32_t j = block; j < end; j++) {
+            if (x[j] == best) {
+                *at = j;
+                break;
+            }
+        }
+    }
+    return best;
+}
+
+/* Greedy pick from one row of logits: the index of the largest value after biases, the first
+ * such index on ties (what llama.cpp's greedy sampler picks). bias_tokens[0..n_bias) is sorted
+ * ascending, without duplicates, every entry in [0, n); bias_values holds the matching biases.
+ * Unlike llama_sampler_sample, nothing is copied: one pass over n floats. */
+static int32_t llama_trio_greedy(const float *logits, int32_t n, const int32_t *bias_tokens,
+                                 const float *bias_values, int32_t n_bias)
+{
+    int32_t best = -1;
+    float best_value = 0.0f;
+    int32_t from = 0;
+    for (int32_t b = 0; b <= n_bias; b++) {
+        int32_t to = b < n_bias ? bias_tokens[b] : n;
+        if (to > from) {
+            int32_t at;
+            float value = llama_trio_max_run(logits, from, to, &at);
+            if (best < 0 || value > best_value) {
+                best = at;
+                best_value = value;
+            }
+        }
+        if (b < n_bias) {
+            float value = logits[to] + bias_values[b];
+            if (best < 0 || value > best_value) {
+                best = to;
+                best_value = value;
+            }
+            from = to + 1;
+        }
+    }
+    return best < 0 ? 0 : best;
+}
