@@ -103,7 +103,7 @@ def prompt_tokens(model: ffi.Model, n: int, offset: int) -> list[int]:
 
 
 def end_of_generation_tokens(vocab: ffi.Vocab) -> list[int]:
-    return [t for t in range(vocab.n_tokens) if vocab.is_eog(t)]
+    return sorted(vocab.eog_tokens)
 
 
 async def _timed_jobs(engine: Engine, jobs: list[Job]) -> dict[str, Any]:

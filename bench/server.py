@@ -894,7 +894,7 @@ def end_of_generation_tokens(model_path: pathlib.Path) -> list[int]:
 
     with ffi.Model(model_path) as model:
         vocab = model.vocab
-        return [t for t in range(vocab.n_tokens) if vocab.is_eog(t)]
+        return sorted(vocab.eog_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ class Vocab:
         self.eos: int = lib.llama_vocab_eos(ptr)
         self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(ptr))
         self._pieces: dict[int, bytes] = {}
+        self._eog: frozenset[int] | None = None
 
     def _detach(self) -> None:
         self._ptr = None
@@ -88,6 +89,15 @@ class Vocab:
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, EOT, ...)."""
         return bool(lib.llama_vocab_is_eog(self.ptr, token))
+
+    @property
+    def eog_tokens(self) -> frozenset[int]:
+        """Every end-of-generation token, found once (one C call per vocabulary entry); a set
+        lookup is what the generation loop does per token instead of a C call."""
+        if self._eog is None:
+            ptr = self.ptr
+            self._eog = frozenset(t for t in range(self.n_tokens) if lib.llama_vocab_is_eog(ptr, t))
+        return self._eog
 
     def is_control(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_control(self.ptr, token))

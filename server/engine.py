@@ -129,6 +129,11 @@ class EngineConfig:
     channel_size: int = 32
 
 
+# While the engine is busy, the KV cell counts in ``EngineStats`` are refreshed every this many
+# decode steps; they are exact whenever the engine is idle.
+KV_STATS_EVERY = 8
+
+
 @dataclass
 class EngineStats:
     queued: int = 0
@@ -165,6 +170,9 @@ class _Request:
         "cached_tokens",
         "pending",
         "paused",
+        "sent",
+        "taken",
+        "channel_size",
     )
 
     def __init__(self, job: Job, channel_size: int) -> None:
@@ -182,10 +190,14 @@ class _Request:
         self.cached_tokens = 0
         self.pending: int | None = None  # sampled token to decode next step
         self.paused = False
+        # Items put into / taken out of the channel; their difference is what it buffers (cheaper
+        # than asking the channel for its statistics every step).
+        self.sent = 0
+        self.taken = 0
+        self.channel_size = channel_size
 
     def channel_full(self) -> bool:
-        stats = self.send.statistics()
-        return stats.current_buffer_used >= stats.max_buffer_size
+        return self.sent - self.taken >= self.channel_size
 
 
 class _Slot:
@@ -221,6 +233,7 @@ class Stream:
             item = await request.receive.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
+        request.taken += 1
         if request.paused:
             self._engine._wake()
         if isinstance(item, EngineError):
@@ -273,9 +286,15 @@ class DecodeThread:
         self._busy = True
         self._calls.put((fn, args))
         try:
-            with trio.CancelScope(shield=True):
+            try:
                 await trio.lowlevel.wait_readable(self._done_recv)
-            self._done_recv.recv(1)
+            except BaseException:  # cancelled: the call goes on; wait for it, then re-raise
+                with trio.CancelScope(shield=True):
+                    await trio.lowlevel.wait_readable(self._done_recv)
+                raise
+            finally:
+                with contextlib.suppress(BlockingIOError):
+                    self._done_recv.recv(1)
         finally:
             self._busy = False
         assert self._result is not None
@@ -322,6 +341,7 @@ class Engine:
             kv_unified=False,
         )
         self.n_ctx_seq = self.context.n_ctx_seq
+        self._eog = self.vocab.eog_tokens
         self._batch = ffi.Batch(config.n_batch)
         self._slots = [_Slot(i) for i in range(config.n_parallel)]
         self._queue: collections.deque[_Request] = collections.deque()
@@ -430,7 +450,9 @@ class Engine:
                 self.stats.decode_steps += 1
                 self.stats.last_step_seconds = time.perf_counter() - started
                 self._deliver(sampled)
-                self._update_stats()
+                # KV counts take two C calls per sequence: every few steps while busy, and
+                # always when the engine goes idle (above).
+                self._update_stats(kv=self.stats.decode_steps % KV_STATS_EVERY == 0)
         finally:
             # No checkpoints here: this runs to completion even while cancelled.
             self.abort_all(ShuttingDown("server is shutting down"))
@@ -561,7 +583,7 @@ class Engine:
         return out
 
     def _deliver(self, sampled: list[tuple[_Slot, int]]) -> None:
-        vocab = self.vocab
+        eog = self._eog
         for slot, token in sampled:
             request = slot.request
             if request is None:
@@ -578,7 +600,7 @@ class Engine:
             finish: str | None = None
             stopped = False
             tokens: tuple[int, ...]
-            if vocab.is_eog(token):
+            if token in eog:
                 text, tokens, finish = "", (), "stop"
             else:
                 tokens = (token,)
@@ -607,6 +629,7 @@ class Engine:
     def _send(self, request: _Request, item: Piece | EngineError) -> None:
         try:
             request.send.send_nowait(item)
+            request.sent += 1
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             request.released = True  # the reader is gone
         except trio.WouldBlock:  # pragma: no cover - _plan never schedules a full channel
@@ -630,10 +653,12 @@ class Engine:
             if request is not None:
                 self._end_with_error(request, EngineFailure(f"decoding failed: {exc}"))
 
-    def _update_stats(self) -> None:
+    def _update_stats(self, *, kv: bool = True) -> None:
         stats = self.stats
         stats.active = sum(1 for s in self._slots if s.request is not None)
         stats.queued = len(self._queue)
+        if not kv:
+            return
         used = cached = 0
         for slot in self._slots:
             cells = self.context.seq_cells(slot.seq_id)
