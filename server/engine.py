@@ -145,6 +145,7 @@ class EngineStats:
     cached_tokens: int = 0
     generated_tokens: int = 0
     decode_steps: int = 0
+    decode_seconds: float = 0.0  # inside llama_decode, all steps together
     last_step_seconds: float = 0.0
     requests_finished: int = 0
     cancellations: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
@@ -350,6 +351,7 @@ class Engine:
         self._tick = 0
         self.stats = EngineStats()
         self._closed = False
+        self._decode_seconds = 0.0  # of the last step; written by the decode thread
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -448,6 +450,7 @@ class Engine:
                     self._fail_step(plan, exc)
                     continue
                 self.stats.decode_steps += 1
+                self.stats.decode_seconds += self._decode_seconds
                 self.stats.last_step_seconds = time.perf_counter() - started
                 self._deliver(sampled)
                 # KV counts take two C calls per sequence: every few steps while busy, and
@@ -560,7 +563,9 @@ class Engine:
                 assert request.pending is not None
                 index = batch.add(request.pending, request.n_past, slot.seq_id, logits=True)
                 to_sample.append((slot, index))
+        started = time.perf_counter()
         self.context.decode(batch)
+        self._decode_seconds = time.perf_counter() - started
         # Bookkeeping of what is now in KV, then sampling.
         for entry in plan:
             slot = self._slots[entry.slot]

@@ -43,6 +43,9 @@ class _EngineCollector(Collector):
         tokens.add_metric(["generated"], stats.generated_tokens)
         yield tokens
         yield CounterMetricFamily("llama_trio_decode_steps", "decode steps run", value=stats.decode_steps)
+        yield CounterMetricFamily(
+            "llama_trio_decode_seconds", "seconds spent inside llama_decode", value=stats.decode_seconds
+        )
         cancels = CounterMetricFamily("llama_trio_cancellations", "jobs released early, by phase", labels=["phase"])
         for phase, count in stats.cancellations.items():
             cancels.add_metric([phase], count)
