@@ -23,8 +23,9 @@ W * tg / (T_PP + T_TG) for batched-bench: the same decode work (one prompt batch
 generation steps) on both sides; ours also samples and delivers the first token.
 
 Both sides warm up with one 16-token decode first; each run of ours opens a fresh engine (and
-context). Runs alternate ours, theirs, ours, theirs ... at each width, so drift in machine load
-hits both. The machine may be shared: each pair waits until other processes keep at most
+context). Runs alternate in pairs at each width, and the side that goes first flips from pair
+to pair (ours, theirs, theirs, ours, ...), so drift in machine load hits both, and neither
+always runs first after the quiet wait. The machine may be shared: each pair waits until other processes keep at most
 ``--max-foreign`` cores busy; their CPU use during each run is recorded (``foreign_cores``), and
 a pair during which they were busier is run again (at most ``--retries`` times; the discarded
 runs are kept in the JSON).
@@ -367,10 +368,18 @@ def main(argv: list[str] | None = None) -> None:
             for width in args.widths:
                 for attempt in range(args.retries + 1):
                     common.wait_for_quiet(args.max_foreign)
-                    order += 1
-                    mine = run_ours(model, cfg, width, order, banned)
-                    order += 1
-                    theirs, record = run_batched_bench(exe, model_path, cfg, width, order)
+                    # ABBA: which side runs first (right after the quiet wait) flips every pair,
+                    # so neither always gets the idle machine or the warm one.
+                    if i % 2 == 0:
+                        order += 1
+                        mine = run_ours(model, cfg, width, order, banned)
+                        order += 1
+                        theirs, record = run_batched_bench(exe, model_path, cfg, width, order)
+                    else:
+                        order += 1
+                        theirs, record = run_batched_bench(exe, model_path, cfg, width, order)
+                        order += 1
+                        mine = run_ours(model, cfg, width, order, banned)
                     busy = max(mine.foreign_cores or 0.0, theirs.foreign_cores or 0.0)
                     print(
                         f"run {i + 1}/{args.runs} W={width:<3} ours {mine.tg_tps:6.1f}  batched-bench "
