@@ -37,13 +37,14 @@ One run of a side starts a fresh server and measures, in this order:
   well formed (a ``finish_reason`` or an error event, then ``data: [DONE]``, then the end of the
   chunked body) and whether a plain ``bind`` of the port (no ``SO_REUSEADDR``) succeeds at once.
 
-Sides alternate (llama-server, ours, llama-server, ours ...) for ``--runs`` runs each. The
+Sides alternate for ``--runs`` runs each, the first side flipping every run (llama-server,
+ours, ours, llama-server, ...). The
 machine may be shared: before each throughput, TTFT and second-turn measurement the benchmark
 waits until other processes keep at most ``--max-foreign`` cores busy, and repeats the
 measurement (at most ``--retries`` times) when they were busier than that while it ran; their
 average load is recorded with every measurement and for the whole run.
 
-    python -m bench.server [--runs 3] [--threads 2] [--waves 2] [--ttft-requests 8]
+    python -m bench.server [--runs 4] [--threads 2] [--waves 2] [--ttft-requests 8]
 
 Writes ``bench/results/server.md``, ``server.png`` and ``server.json``.
 """
@@ -824,7 +825,7 @@ def markdown(summary: dict[str, Any], runs: int, info: dict[str, Any]) -> str:
     endings = {side: ", ".join(summary[f"sigterm_{side}"]["stream_endings"]) for side in SIDES}
     binds = {side: ", ".join(summary[f"sigterm_{side}"]["plain_bind_results"]) for side in SIDES}
     lines = [
-        f"Median (min-max) of {runs} runs per side, alternating; one fresh server per run with "
+        f"Median (min-max) of {runs} runs per side, alternating (ABBA); one fresh server per run with "
         f"{PARALLEL} sequences, {CTX} KV cells ({CTX // PARALLEL} per sequence, not unified), "
         f"{info['config']['threads']} threads, batch {BATCH}; streamed chat, temperature 0, "
         f"{MAX_TOKENS} tokens per request for throughput ({info['config']['waves']} requests per stream), "
@@ -899,7 +900,7 @@ def end_of_generation_tokens(model_path: pathlib.Path) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=MEASURES)
-    parser.add_argument("--runs", type=int, default=3, help="runs per side, alternating (default 3)")
+    parser.add_argument("--runs", type=int, default=4, help="runs per side, alternating ABBA (default 4)")
     parser.add_argument("--model", help="GGUF file (default: the bundled default model)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--waves", type=int, default=2, help="throughput requests per stream (default 2)")
@@ -928,7 +929,8 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         for i in range(args.runs):
-            for side in SIDES:
+            # ABBA: the side that goes first flips every run, so neither always follows the other.
+            for side in SIDES if i % 2 == 0 else SIDES[::-1]:
                 run = run_side(side, exe, model_path, cfg, banned, pathlib.Path(tmp))
                 run["order"] = len(runs) + 1
                 tps = " ".join(f"{t['tps']:.0f}" for t in run["throughput"])
