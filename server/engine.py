@@ -254,11 +254,12 @@ class DecodeThread:
     thread (measured: decoding from a second thread while the first is alive ran 30-50 %
     slower); (2) its result comes back through ``run_sync_soon`` (one scheduler batch for the
     entry-queue task, then another for the caller); here the thread writes one byte to a socket
-    the caller waits on, which wakes the caller directly (~180 vs ~280 us on the dev VM).
+    the caller waits on, which wakes the caller directly (~150 vs ~280 us on the dev VM).
 
     *Cancellation*: a call in progress is never abandoned (the thread may hold llama.cpp
-    state): the wait is shielded, and a pending cancellation is delivered at the caller's next
-    checkpoint. One call at a time. ``close()`` ends the thread once its current call returns;
+    state): a cancelled caller goes on waiting, shielded, until the call returns, then raises
+    ``Cancelled``; a caller cancelled before it starts never hands the call over. One call at
+    a time. ``close()`` ends the thread once its current call returns;
     idempotent.
     """
 
