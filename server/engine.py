@@ -9,7 +9,7 @@ Public API::
 
 Each decode step, the engine task admits queued jobs into free sequences (keeping the cells of
 the longest cached prompt prefix), builds one batch (one token per decoding sequence plus
-prompt chunks, see ``scheduler.plan_step``), runs decode + sampling in a worker thread, and
+prompt chunks, see ``scheduler.plan_step``), runs decode + sampling in its own decode thread, and
 delivers one ``Piece`` per sequence into that job's bounded channel with ``send_nowait``. A job
 whose channel is full is skipped (paused) until its reader catches up. Leaving ``submit``'s
 block for any reason releases the job: the engine drops it before its next step and frees its
@@ -320,7 +320,8 @@ class Engine:
     """Owns one ``ffi.Context`` with ``n_parallel`` sequences and the task that drives it.
 
     Create it with ``open_engine``; ``run`` is its task. All llama.cpp calls on the context
-    happen in that task or in the worker thread it waits for, never concurrently.
+    happen in that task or in its ``DecodeThread`` while the task waits for it, never
+    concurrently.
     """
 
     def __init__(self, model: ffi.Model, config: EngineConfig, thread: DecodeThread) -> None:
@@ -429,7 +430,7 @@ class Engine:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The engine loop; runs until cancelled. Idle (no CPU) while there is nothing to do.
 
-        *Cancellation*: a decode step in progress is waited for (its worker thread holds the
+        *Cancellation*: a decode step in progress is waited for (the decode thread holds the
         context and is never abandoned); then the loop ends. Jobs still running get
         ``ShuttingDown``.
         """
