@@ -122,29 +122,47 @@ class Connection(TCPServer):
         if fd >= 0 and not self.send_lock.locked():
             # No await between the check and the send: nothing else can write in between.
             # Without trio's cancel scope, lock and wrappers this costs a third as much, and an
-            # SSE stream makes one write per token. A send that would block (full buffer), a
-            # partial one, or any error leaves the rest to the guarded path below.
+            # SSE stream makes one write per token. A send that would block (full buffer) or
+            # fails leaves it all to the guarded path below.
             try:
                 sent = os.write(fd, data)
             except OSError:
                 sent = 0
             if sent == len(data):
                 return
-            data = data[sent:]
-        async with self.send_lock:
-            deadline = min(trio.current_time() + self.write_timeout, self._hard_deadline)
-            with trio.CancelScope(shield=True, deadline=deadline) as scope:
-                self._write_scope = scope
+            if sent:
+                # Part of it is on the wire: the rest must follow before any other write, even
+                # if this task is cancelled now. The lock was free and nothing has run since,
+                # so it is taken without a checkpoint.
+                self.send_lock.acquire_nowait()
                 try:
-                    await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
-                    pass  # gone, or being closed: Hypercorn's close sends EOF without the send lock
-                else:
-                    return
+                    written = await self._send_locked(data[sent:])
                 finally:
-                    self._write_scope = None
-            if scope.cancelled_caught:
-                logger.info("closing a connection whose client stopped reading")
-                with trio.CancelScope(shield=True):
-                    await self.stream.aclose()
-        await self.protocol.handle(Closed())
+                    self.send_lock.release()
+                if not written:
+                    await self.protocol.handle(Closed())
+                return
+        async with self.send_lock:
+            written = await self._send_locked(data)
+        if not written:
+            await self.protocol.handle(Closed())
+
+    async def _send_locked(self, data: bytes) -> bool:
+        """Send all of ``data`` (shielded, bounded by the write deadline); False when the
+        connection is gone or was cut for not reading (then it is closed)."""
+        deadline = min(trio.current_time() + self.write_timeout, self._hard_deadline)
+        with trio.CancelScope(shield=True, deadline=deadline) as scope:
+            self._write_scope = scope
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                pass  # gone, or being closed: Hypercorn's close sends EOF without the send lock
+            else:
+                return True
+            finally:
+                self._write_scope = None
+        if scope.cancelled_caught:
+            logger.info("closing a connection whose client stopped reading")
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+        return False

@@ -140,6 +140,60 @@ def test_client_that_stops_reading_is_cut_and_stalls_no_one(limited: ServerProce
         stalled.close()
 
 
+def dechunk(body: bytes) -> bytes:
+    """The payload of a complete chunked HTTP/1.1 body; fails on any framing error."""
+    out = bytearray()
+    while True:
+        size_line, sep, body = body.partition(b"\r\n")
+        assert sep, "truncated chunk size line"
+        size = int(size_line, 16)
+        if size == 0:
+            assert body == b"\r\n", "bytes after the last chunk"
+            return bytes(out)
+        assert body[size : size + 2] == b"\r\n", "chunk not followed by CRLF"
+        out += body[:size]
+        body = body[size + 2 :]
+
+
+def test_slow_reader_gets_every_byte_of_a_stream_whose_writes_blocked(limited: ServerProcess) -> None:
+    """The server's writes fill the socket (some go out in part, the rest waits for the
+    reader); once the reader catches up, well within the write timeout, the whole stream
+    arrives with intact chunked framing and SSE events."""
+    max_tokens = 400
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    slow.connect(("127.0.0.1", limited.port))
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "logit_bias": NO_END_TOKENS,
+    }
+    try:
+        slow.sendall(request_bytes("/v1/chat/completions", body))
+        wait_for(lambda: limited.metrics()["llama_trio_paused_sequences"] == 1, "the server's writes to block", 120)
+        time.sleep(WRITE_TIMEOUT / 4)
+        slow.settimeout(60)
+        raw = bytearray()
+        while not raw.endswith(b"\r\n0\r\n\r\n"):
+            data = slow.recv(65536)
+            assert data, f"connection closed after {len(raw)} bytes"
+            raw += data
+    finally:
+        slow.close()
+    head, _, chunked = bytes(raw).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    stream = dechunk(chunked)
+    assert stream.endswith(b"data: [DONE]\n\n")
+    events = [json.loads(e[6:]) for e in stream[:-2].split(b"\n\n")[:-1]]
+    contents = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert finishes == ["length"]
+    assert len(contents) >= max_tokens * 0.9  # a piece per token, but for ones held back by the detokenizer
+    assert limited.metrics()["llama_trio_active_sequences"] == 0
+
+
 def test_idle_flood_and_slowloris_are_bounded(limited: ServerProcess) -> None:
     pid = limited.proc.pid
     baseline = server_sockets(pid)
