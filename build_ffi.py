@@ -6,8 +6,9 @@ libraries that ``vendor/build.sh`` put in the cache, with an rpath so that no
 ``LD_LIBRARY_PATH`` is needed.
 
 Run ``python build_ffi.py`` (the Makefile does) to build in place. It does nothing when the
-extension is already built from the same declarations, helpers, builder and llama.cpp prefix. The prefix
-is ``$LLAMA_CPP_PREFIX`` when set, else the one ``vendor/build.sh --print-prefix`` names.
+extension is already built from the same declarations, helpers, builder and llama.cpp prefix.
+The prefix is ``$LLAMA_CPP_PREFIX`` when set, else the one ``vendor/build.sh --print-prefix``
+names.
 """
 
 from __future__ import annotations
