@@ -119,6 +119,7 @@ class Connection(TCPServer):
         # The descriptor is asked for at each write: it is -1 once the socket is closed, so a
         # number reused by a newer connection is never written to.
         fd = self._socket.fileno() if self._socket is not None else -1
+        sent = 0
         if fd >= 0 and not self.send_lock.locked():
             # No await between the check and the send: nothing else can write in between.
             # Without trio's cancel scope, lock and wrappers this costs a third as much, and an
@@ -130,20 +131,18 @@ class Connection(TCPServer):
                 sent = 0
             if sent == len(data):
                 return
-            if sent:
-                # Part of it is on the wire: the rest must follow before any other write, even
-                # if this task is cancelled now. The lock was free and nothing has run since,
-                # so it is taken without a checkpoint.
-                self.send_lock.acquire_nowait()
-                try:
-                    written = await self._send_locked(data[sent:])
-                finally:
-                    self.send_lock.release()
-                if not written:
-                    await self.protocol.handle(Closed())
-                return
-        async with self.send_lock:
-            written = await self._send_locked(data)
+        if sent:
+            # Part of it is on the wire: the rest must follow before any other write, even if
+            # this task is cancelled now. The lock was free and nothing has run since, so it is
+            # taken without a checkpoint.
+            self.send_lock.acquire_nowait()
+            try:
+                written = await self._send_locked(data[sent:])
+            finally:
+                self.send_lock.release()
+        else:
+            async with self.send_lock:
+                written = await self._send_locked(data)
         if not written:
             await self.protocol.handle(Closed())
 

@@ -173,7 +173,6 @@ class _Request:
         "paused",
         "sent",
         "taken",
-        "channel_size",
     )
 
     def __init__(self, job: Job, channel_size: int) -> None:
@@ -195,10 +194,6 @@ class _Request:
         # than asking the channel for its statistics every step).
         self.sent = 0
         self.taken = 0
-        self.channel_size = channel_size
-
-    def channel_full(self) -> bool:
-        return self.sent - self.taken >= self.channel_size
 
 
 class _Slot:
@@ -532,7 +527,7 @@ class Engine:
             if request is None or request.released:
                 continue
             if request.phase is Phase.GENERATE:
-                request.paused = request.channel_full()
+                request.paused = request.sent - request.taken >= self.config.channel_size
                 if request.paused:
                     paused += 1
                 elif request.pending is not None:

@@ -98,23 +98,29 @@ def stream_chat(url: str, max_tokens: int) -> list[dict[str, Any]]:
     return events
 
 
-def test_client_that_stops_reading_is_cut_and_stalls_no_one(limited: ServerProcess) -> None:
-    m = limited.metrics()
-    cancelled_before = m["llama_trio_cancellations_total{phase=generate}"]
-    stalled = socket.socket()
-    # A small window and segment size: the server's writes block after some 200 chunks
-    # (on loopback the send buffer would otherwise grow to megabytes).
-    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stalled.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-    stalled.connect(("127.0.0.1", limited.port))
+def small_window_stream(port: int, max_tokens: int) -> socket.socket:
+    """A raw socket that has asked for a long streamed chat. Its small window and segment size
+    make the server's writes block after some 200 chunks (on loopback the send buffer would
+    otherwise grow to megabytes)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    sock.connect(("127.0.0.1", port))
     body = {
         "messages": [{"role": "user", "content": "Tell me a long story."}],
-        "max_tokens": 900,
+        "max_tokens": max_tokens,
         "stream": True,
         "logit_bias": NO_END_TOKENS,
     }
+    sock.sendall(request_bytes("/v1/chat/completions", body))
+    return sock
+
+
+def test_client_that_stops_reading_is_cut_and_stalls_no_one(limited: ServerProcess) -> None:
+    m = limited.metrics()
+    cancelled_before = m["llama_trio_cancellations_total{phase=generate}"]
+    stalled = small_window_stream(limited.port, 900)
     try:
-        stalled.sendall(request_bytes("/v1/chat/completions", body))
         # Writes block, the job's channel fills, the engine pauses that one sequence.
         wait_for(lambda: limited.metrics()["llama_trio_paused_sequences"] == 1, "the stalled sequence to pause", 120)
         paused_at = time.monotonic()
@@ -160,18 +166,8 @@ def test_slow_reader_gets_every_byte_of_a_stream_whose_writes_blocked(limited: S
     reader); once the reader catches up, well within the write timeout, the whole stream
     arrives with intact chunked framing and SSE events."""
     max_tokens = 400
-    slow = socket.socket()
-    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    slow.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-    slow.connect(("127.0.0.1", limited.port))
-    body = {
-        "messages": [{"role": "user", "content": "Tell me a long story."}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "logit_bias": NO_END_TOKENS,
-    }
+    slow = small_window_stream(limited.port, max_tokens)
     try:
-        slow.sendall(request_bytes("/v1/chat/completions", body))
         wait_for(lambda: limited.metrics()["llama_trio_paused_sequences"] == 1, "the server's writes to block", 120)
         time.sleep(WRITE_TIMEOUT / 4)
         slow.settimeout(60)
