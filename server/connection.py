@@ -13,19 +13,31 @@ Writes are shielded (a half-written response would corrupt the connection) but b
 client that stops reading is cut after ``write_timeout``, or at the deadline given to ``cut``.
 A write that fits in the socket's send buffer (nearly every SSE event) goes out in one plain
 non-blocking ``send`` first; only what is left takes trio's guarded path.
+
+``current_connection`` names the connection to the tasks that serve its requests; a streamed
+response uses ``body_writer()`` to write its chunks straight to the socket (see that method).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import os
+from collections.abc import Callable
 
+import h11
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
 logger = logging.getLogger(__name__)
+
+# Set in each connection's task; the tasks Hypercorn starts for its requests inherit it.
+current_connection: contextvars.ContextVar[Connection | None] = contextvars.ContextVar(
+    "current_connection", default=None
+)
 
 
 class Connection(TCPServer):
@@ -45,8 +57,12 @@ class Connection(TCPServer):
         self._scope: trio.CancelScope | None = None
         # The plain TCP socket, for the fast path of ``_write``; None for anything else.
         self._socket = self.stream.socket if isinstance(self.stream, trio.SocketStream) else None
+        # The tail of a direct write (``body_writer``) that did not fit in the socket's buffer;
+        # it goes out first with the next write of any kind.
+        self._owed = b""
 
     async def serve(self) -> None:
+        current_connection.set(self)
         self._idle_since = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._scope = nursery.cancel_scope
@@ -115,7 +131,49 @@ class Connection(TCPServer):
                     return
             self._wake = trio.Event()
 
+    def body_writer(self) -> Callable[[bytes], bool] | None:
+        """A function that writes the next piece of the response body being sent now straight
+        to the socket, framed as an HTTP/1.1 chunk, without waiting, or refuses (False); None
+        when the response in progress is not a chunked HTTP/1.1 body.
+
+        It refuses when the socket would block or is gone, when another write holds the
+        connection, when the tail of its last write is still owed, and once the body has ended;
+        it never writes part of a chunk and then refuses. A chunk that does not fit whole leaves
+        its tail owed, sent ahead of the connection's next write. Only the task that sends the
+        response may use it, between the body writes it makes itself through the app (it
+        bypasses Hypercorn and h11, which keep no count of a chunked body's bytes).
+        """
+        protocol = self.protocol.protocol
+        if self._socket is None or not isinstance(protocol, H11Protocol):
+            return None
+        connection = protocol.connection
+        # h11 frames a body of unknown length in chunks for an HTTP/1.1 peer (1.0: until close).
+        if not isinstance(connection, h11.Connection) or connection.their_http_version != b"1.1":
+            return None
+        if connection.our_state is not h11.SEND_BODY:
+            return None
+
+        def write(data: bytes) -> bool:
+            if connection.our_state is not h11.SEND_BODY or not data:
+                return False
+            return self._write_nowait(b"%x\r\n%b\r\n" % (len(data), data))
+
+        return write
+
+    def _write_nowait(self, data: bytes) -> bool:
+        fd = self._socket.fileno() if self._socket is not None else -1
+        if fd < 0 or self._owed or self.send_lock.locked():
+            return False
+        try:
+            sent = os.write(fd, data)
+        except OSError:  # would block, or the peer is gone: the caller takes its slow path
+            return False
+        self._owed = data[sent:]
+        return True
+
     async def _write(self, data: bytes) -> None:
+        if self._owed:  # the tail of a direct write goes first
+            data, self._owed = self._owed + data, b""
         # The descriptor is asked for at each write: it is -1 once the socket is closed, so a
         # number reused by a newer connection is never written to.
         fd = self._socket.fileno() if self._socket is not None else -1

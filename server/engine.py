@@ -173,6 +173,7 @@ class _Request:
         "paused",
         "sent",
         "taken",
+        "sink",
     )
 
     def __init__(self, job: Job, channel_size: int) -> None:
@@ -194,6 +195,8 @@ class _Request:
         # than asking the channel for its statistics every step).
         self.sent = 0
         self.taken = 0
+        # Set by ``Stream.deliver_directly``: takes pieces in place of the channel while armed.
+        self.sink: Callable[[Piece], bool] | None = None
 
 
 class _Slot:
@@ -222,6 +225,25 @@ class Stream:
 
     def __aiter__(self) -> Stream:
         return self
+
+    def deliver_directly(self, sink: Callable[[Piece], bool]) -> None:
+        """Arm ``sink`` for the pieces that come next, when the channel is empty (otherwise do
+        nothing: iterate first).
+
+        While armed, the engine task calls ``sink(piece)`` with each piece in place of putting
+        it in the channel, synchronously, between decode steps. It must not block or reach a
+        checkpoint; it returns True when it has taken the piece (written it out), False to
+        refuse it. A refused piece, and every one after it, goes through the channel until the
+        next ``deliver_directly``; an exception counts as a refusal (and is logged). Errors
+        always come through the channel.
+
+        Arm only with nothing of this stream's in flight (every piece taken from the channel
+        already written), so that a piece the sink takes can never overtake one taken by
+        iteration. Cancellation does not apply (synchronous).
+        """
+        request = self._request
+        if request.sent == request.taken:
+            request.sink = sink
 
     async def __anext__(self) -> Piece:
         request = self._request
@@ -628,7 +650,15 @@ class Engine:
             self.stats.requests_finished += 1
             self._free_slot(slot, keep_cache=True)
 
-    def _send(self, request: _Request, item: Piece | EngineError) -> None:
+    def _send(self, request: _Request, item: Piece) -> None:
+        sink = request.sink
+        if sink is not None:
+            try:
+                if sink(item):
+                    return
+            except Exception:  # a reader's bug must never stop the engine task
+                logger.exception("direct delivery failed; the stream goes on through its channel")
+            request.sink = None
         try:
             request.send.send_nowait(item)
             request.sent += 1

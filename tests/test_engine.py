@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import pytest
 import trio
 
 import ffi
-from server.engine import ContextLengthExceeded, Engine, EngineConfig, Job, Overloaded, open_engine
+from server.engine import ContextLengthExceeded, Engine, EngineConfig, Job, Overloaded, Piece, open_engine
 
 GREEDY = ffi.SamplingParams(temperature=0)
 PROMPTS = [
@@ -227,6 +228,50 @@ async def test_slow_consumer_does_not_slow_a_fast_one(model: ffi.Model, engine: 
     assert fast_done_at_slow_count is not None
     assert fast_done_at_slow_count + CONFIG.channel_size + 2 < FAST_TOKENS
     assert paused_seen
+
+
+async def test_direct_delivery_keeps_order_through_refusals(
+    model: ffi.Model, engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream read partly through a direct sink and partly through iteration, as the app
+    reads it (armed before each wait): every piece arrives once, in order, whichever path it
+    took; refused pieces and a sink that raises fall back to the channel; the last piece is
+    refused and comes through iteration."""
+    reference = await collect(engine, job(model, PROMPTS[1], 48))
+    pieces: list[tuple[str, Piece]] = []
+    calls = 0
+
+    def sink(piece: Piece) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 7:
+            raise RuntimeError("a bug in a sink")
+        if piece.finish_reason is not None or calls % 5 == 0:
+            return False
+        pieces.append(("direct", piece))
+        return True
+
+    with caplog.at_level(logging.ERROR, logger="server.engine"):
+        async with engine.submit(job(model, PROMPTS[1], 48)) as stream:
+            iterator = stream.__aiter__()
+            while True:
+                stream.deliver_directly(sink)
+                try:
+                    piece = await iterator.__anext__()
+                except StopAsyncIteration:
+                    break
+                if len(pieces) % 3 == 0:
+                    # Slow to "write" what it took: later pieces must wait, not overtake it.
+                    await trio.sleep(0.02)
+                pieces.append(("channel", piece))
+    assert "".join(p.text for _, p in pieces) == reference.text
+    assert [t for _, p in pieces for t in p.tokens] == reference.tokens
+    paths = [path for path, _ in pieces]
+    assert paths.count("direct") >= 10 and paths.count("channel") >= 3
+    assert pieces[-1][0] == "channel" and pieces[-1][1].finish_reason == "length"
+    assert "direct delivery failed" in caplog.text
+    await settle(engine)
+    assert engine.stats.active == 0
 
 
 async def test_stop_string_across_tokens(model: ffi.Model, engine: Engine) -> None:
