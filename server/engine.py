@@ -298,7 +298,9 @@ class DecodeThread:
                 self._result = (False, exc)
             self._done_send.send(b"\0")
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(self, fn: Callable[..., Any], *args: Any, meanwhile: Callable[[], None] | None = None) -> Any:
+        """``fn(*args)`` in the thread; ``meanwhile()``, when given, runs here (synchronously)
+        once the call is handed over, while it runs."""
         if self._busy:
             raise RuntimeError("DecodeThread.run is not reentrant")
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -306,6 +308,8 @@ class DecodeThread:
         self._calls.put((fn, args))
         try:
             try:
+                if meanwhile is not None:
+                    meanwhile()
                 await trio.lowlevel.wait_readable(self._done_recv)
             except BaseException:  # cancelled: the call goes on; wait for it, then re-raise
                 with trio.CancelScope(shield=True):
@@ -371,6 +375,7 @@ class Engine:
         self.stats = EngineStats()
         self._closed = False
         self._decode_seconds = 0.0  # of the last step; written by the decode thread
+        self._outbox: list[tuple[_Request, Piece, bool]] = []  # pieces for ``_flush``
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -458,13 +463,15 @@ class Engine:
                 self._admit()
                 plan = self._plan()
                 if not plan:
+                    self._flush()
                     self._update_stats()
                     await self._wakeup.wait()
                     self._wakeup = trio.Event()
                     continue
                 started = time.perf_counter()
                 try:
-                    sampled = await self._thread.run(self._step, plan)
+                    # What the last step produced goes out while this one decodes.
+                    sampled = await self._thread.run(self._step, plan, meanwhile=self._flush)
                 except ffi.DecodeError as exc:
                     self._fail_step(plan, exc)
                     continue
@@ -477,6 +484,7 @@ class Engine:
                 self._update_stats(kv=self.stats.decode_steps % KV_STATS_EVERY == 0)
         finally:
             # No checkpoints here: this runs to completion even while cancelled.
+            self._flush()
             self.abort_all(ShuttingDown("server is shutting down"))
             self._reap()
 
@@ -644,13 +652,26 @@ class Engine:
                 tail, stopped = request.stops.feed(detok.flush())
                 text += tail if stopped else tail + request.stops.flush()
             usage = Usage(len(request.job.prompt), request.n_generated, request.cached_tokens)
-            self._send(request, Piece(text, tokens, finish, usage))
-            request.send.close()
+            self._send(request, Piece(text, tokens, finish, usage), last=True)
             request.phase = None
             self.stats.requests_finished += 1
             self._free_slot(slot, keep_cache=True)
 
-    def _send(self, request: _Request, item: Piece) -> None:
+    def _send(self, request: _Request, piece: Piece, *, last: bool = False) -> None:
+        """Queue ``piece`` for ``_flush``; its room in the channel is held from now on."""
+        request.sent += 1
+        self._outbox.append((request, piece, last))
+
+    def _flush(self) -> None:
+        """Hand out the queued pieces: through each stream's sink or channel."""
+        outbox, self._outbox = self._outbox, []
+        for request, piece, last in outbox:
+            request.sent -= 1
+            self._deliver_one(request, piece)
+            if last:
+                request.send.close()
+
+    def _deliver_one(self, request: _Request, item: Piece) -> None:
         sink = request.sink
         if sink is not None:
             try:
