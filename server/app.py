@@ -33,9 +33,6 @@ from server.state import ServerState
 
 logger = logging.getLogger("llama_trio.access")
 
-# A comment line after this much silence keeps proxies and clients from timing out a stream
-# that waits in the queue or in a long prefill.
-PING_INTERVAL = 15.0
 # Prompts longer than this many characters are rendered and tokenized in a worker thread.
 INLINE_TOKENIZE_CHARS = 16_384
 
@@ -426,7 +423,7 @@ async def _complete(state: ServerState, *, chat: bool) -> Response:
     assert engine is not None
     if prepared.stream:
         framer = sse.ChunkFramer(chat=chat, id_=id_, created=created, model=state.model_id)
-        body = _stream_body(engine, prepared, framer, trace)
+        body = _stream_body(engine, prepared, framer, trace, state.settings.ping_interval)
         return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
     texts: list[str] = []
     try:
@@ -466,10 +463,12 @@ async def _complete(state: ServerState, *, chat: bool) -> Response:
 
 
 async def _stream_body(
-    engine: Any, prepared: _Prepared, framer: sse.ChunkFramer, trace: _Trace
+    engine: Any, prepared: _Prepared, framer: sse.ChunkFramer, trace: _Trace, ping_interval: float
 ) -> AsyncIterator[bytes]:
     """The SSE body. Leaving it for any reason (done, error, the client gone) releases the
-    job; it always ends with ``[DONE]`` when it ends by itself.
+    job; it always ends with ``[DONE]`` when it ends by itself. After ``ping_interval`` seconds
+    without a write (queued, a long prompt) a comment line goes out, which keeps proxies and
+    clients from timing the stream out.
 
     Text pieces are written by the engine task straight to the socket while that is possible
     (``_direct_sink``); this generator wakes for the rest: the end, errors, pings, and pieces
@@ -486,13 +485,13 @@ async def _stream_body(
                 while True:
                     if sink is not None:
                         stream.deliver_directly(sink)  # everything taken so far is written
-                    with trio.move_on_at(trace.written + PING_INTERVAL) as waited:
+                    with trio.move_on_at(trace.written + ping_interval) as waited:
                         try:
                             piece = await pieces.__anext__()
                         except StopAsyncIteration:
                             break
                     if waited.cancelled_caught:
-                        if trio.current_time() >= trace.written + PING_INTERVAL:  # silent that long
+                        if trio.current_time() >= trace.written + ping_interval:  # silent that long
                             trace.written = trio.current_time()
                             yield sse.PING
                         continue

@@ -39,6 +39,7 @@ class Settings:
     keep_alive_timeout: float = 5.0
     read_timeout: float = 60.0
     write_timeout: float = 30.0
+    ping_interval: float = 15.0
     max_header_size: int = 16 * 1024
     max_connections: int = 512
     cors_origin: tuple[str, ...] = ()
@@ -75,6 +76,7 @@ _HELP = {
     "keep_alive_timeout": "seconds a connection may stay idle, or take to send a request head, before it is closed",
     "read_timeout": "seconds a request body may take to arrive (408 after)",
     "write_timeout": "seconds a client may stop reading before its connection is cut",
+    "ping_interval": "seconds of silence in a stream (queued, or a long prompt) before a ': ping' comment is sent",
     "max_header_size": "largest request head in bytes (431 above)",
     "max_connections": "open connections at once; past it a new client replaces the longest-idle one, or waits",
     "cors_origin": "allowed CORS origin (repeatable; * for any)",
@@ -125,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Settings from a command line and the environment."""
     env = os.environ if env is None else env
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
     values: dict[str, object] = {}
     for f in fields(Settings):
         value = args.get(f.name)
@@ -135,7 +138,10 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
             value = _env_value(f.name, _kind(f.name), env)
         if value is not None:
             values[f.name] = value
-    return Settings(**values)  # type: ignore[arg-type]
+    settings = Settings(**values)  # type: ignore[arg-type]
+    if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
+        parser.error("--ping-interval must be a positive number of seconds")
+    return settings
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:

@@ -303,3 +303,73 @@ def test_oversized_body_closes_the_connection_and_the_next_request_is_served(lim
         sock.settimeout(10)
         assert sock.recv(100).startswith(b"HTTP/1.1 413")
         wait_for(lambda: closed_by_peer(sock), "the connection to close", 5)
+
+
+PING_INTERVAL = 0.3
+
+
+def test_pings_go_to_a_silent_stream_only() -> None:
+    """A queued stream gets ``: ping`` comments while it waits; a stream that is generating
+    (its text written straight to the socket by the engine) gets none, and both are well formed."""
+    args = ["--parallel", "1", "--ctx-size", "1024", "--threads", "1", "--ping-interval", str(PING_INTERVAL)]
+    with ServerProcess(args) as server:
+        server.wait_ready()
+        raw: dict[str, bytes] = {}
+
+        def run(name: str, max_tokens: int) -> None:
+            body = {
+                "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": max_tokens,
+                "stream": True,
+                "temperature": 0,
+                "logit_bias": NO_END_TOKENS,
+            }
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as response:
+                assert response.status_code == 200
+                raw[name] = response.read()
+
+        running = threading.Thread(target=run, args=("running", 200))
+        running.start()
+        wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1, "the first stream to start", 60)
+        queued = threading.Thread(target=run, args=("queued", 4))
+        queued.start()
+        running.join(120)
+        queued.join(120)
+        assert proc_ok(server)
+    for name in ("running", "queued"):
+        assert raw[name].endswith(b"data: [DONE]\n\n"), name
+    running_events = raw["running"].split(b"\n\n")
+    assert b": ping" not in running_events
+    assert sum(1 for e in running_events if e.startswith(b"data: {")) >= 200
+    queued_events = raw["queued"].split(b"\n\n")
+    pings = queued_events.count(b": ping")
+    assert pings >= 2, raw["queued"][:500]
+    first_text = next(i for i, e in enumerate(queued_events) if e.startswith(b"data: {") and _content(e))
+    assert queued_events.index(b": ping") < first_text  # the pings came while it waited
+
+
+def _content(event: bytes) -> str:
+    choices = json.loads(event[6:])["choices"]
+    return str(choices[0]["delta"].get("content") or "") if choices else ""
+
+
+def proc_ok(server: ServerProcess) -> bool:
+    return server.stop() == 0 and "Traceback" not in server.log
+
+
+def test_http_1_0_stream_is_delimited_by_close(limited: ServerProcess) -> None:
+    """An HTTP/1.0 client gets the stream unchunked, ended by the server's close (h11 frames it;
+    the direct chunk writes stay out of it)."""
+    body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 24, "stream": True, "logit_bias": NO_END_TOKENS})
+    head = f"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=60) as sock:
+        sock.sendall(head.encode() + body.encode())
+        raw = bytearray()
+        while data := sock.recv(65536):
+            raw += data
+    head_bytes, _, stream = bytes(raw).partition(b"\r\n\r\n")
+    assert head_bytes.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head_bytes.lower()
+    assert stream.endswith(b"data: [DONE]\n\n")
+    events = [json.loads(e[6:]) for e in stream[:-2].split(b"\n\n")[:-1]]
+    assert sum(1 for e in events if e["choices"] and e["choices"][0]["text"]) >= 20
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
