@@ -14,6 +14,10 @@ client that stops reading is cut after ``write_timeout``, or at the deadline giv
 A write that fits in the socket's send buffer (nearly every SSE event) goes out in one plain
 non-blocking ``send`` first; only what is left takes trio's guarded path.
 
+During a drain, a connection whose last response is done waits a moment for its client to
+close first (``CLOSE_LINGER``): the side that closes first keeps the TIME_WAIT, and one on the
+server's port makes a plain ``bind`` of that port fail after we exit.
+
 ``current_connection`` names the connection to the tasks that serve its requests; a streamed
 response uses ``body_writer()`` to write its chunks straight to the socket (see that method).
 """
@@ -24,6 +28,7 @@ import contextvars
 import logging
 import math
 import os
+import socket
 from collections.abc import Callable
 
 import h11
@@ -33,6 +38,11 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
 logger = logging.getLogger(__name__)
+
+# While draining, how long a connection that is done waits for its client to close first, and
+# how often it looks (a peek at the socket: Hypercorn's read loop owns the waiting on it).
+CLOSE_LINGER = 0.5
+CLOSE_LINGER_POLL = 0.01
 
 # Set in each connection's task; the tasks Hypercorn starts for its requests inherit it.
 current_connection: contextvars.ContextVar[Connection | None] = contextvars.ContextVar(
@@ -109,9 +119,29 @@ class Connection(TCPServer):
         # request on it then hung). Once closed, nothing here has more to do: the read loop may
         # be stuck handing body data to an app that is gone, so the connection's tasks end too.
         with trio.CancelScope(shield=True):
+            if self._draining:
+                await self._let_client_close_first()
             await super()._close()
         if self._scope is not None:
             self._scope.cancel()
+
+    async def _let_client_close_first(self) -> None:
+        """Wait until the client has closed its side (or sent more), at most ``CLOSE_LINGER``
+        and never past the drain's end."""
+        fd = self._socket.fileno() if self._socket is not None else -1
+        if fd < 0:
+            return
+        deadline = min(trio.current_time() + CLOSE_LINGER, self._hard_deadline)
+        with socket.socket(fileno=os.dup(fd)) as peek:
+            while trio.current_time() < deadline:
+                try:
+                    peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:  # nothing yet
+                    await trio.sleep(CLOSE_LINGER_POLL)
+                    continue
+                except OSError:
+                    pass
+                return  # their end (b""), or bytes we will not read: close now
 
     async def _watch_idle(self) -> None:
         while True:
@@ -150,11 +180,12 @@ class Connection(TCPServer):
         # h11 frames a body of unknown length in chunks for an HTTP/1.1 peer (1.0: until close).
         if not isinstance(connection, h11.Connection) or connection.their_http_version != b"1.1":
             return None
-        if connection.our_state is not h11.SEND_BODY:
+        response = protocol.stream  # this request's; a later one on the connection gets another
+        if connection.our_state is not h11.SEND_BODY or response is None:
             return None
 
         def write(data: bytes) -> bool:
-            if connection.our_state is not h11.SEND_BODY or not data:
+            if protocol.stream is not response or connection.our_state is not h11.SEND_BODY or not data:
                 return False
             return self._write_nowait(b"%x\r\n%b\r\n" % (len(data), data))
 

@@ -491,6 +491,25 @@ def test_no_time_wait_on_the_port_when_clients_closed_first() -> None:
     assert plain_bind(port) is None
 
 
+def test_streams_that_end_in_the_drain_leave_no_time_wait_on_the_port() -> None:
+    """Streams in flight at SIGTERM finish during the drain. The server then waits for each
+    client (curl closes when the body ends) to close first instead of racing it, so no
+    TIME_WAIT is left on the server's port and a plain bind works right after the exit."""
+    with server("--parallel", "2", "--ctx-size", "1024") as proc:
+        proc.wait_ready()
+        port = proc.port
+        streams = [CurlStream(proc.url, chat_body(40)) for _ in range(2)]
+        for stream in streams:
+            assert stream.first_text.wait(GUARD)
+        proc.send_signal(signal.SIGTERM)
+        for stream in streams:
+            assert stream.finish() == 0
+            assert stream.payloads()[-1] == "[DONE]"
+        assert proc.wait(GUARD) == 0, proc.log
+    assert time_wait_on(port) == []
+    assert plain_bind(port) is None
+
+
 def test_time_wait_when_the_server_closed_first_needs_so_reuseaddr() -> None:
     """The contrast to the test above: an idle keep-alive connection is closed by the server at
     drain start, so the server's side keeps a TIME_WAIT; a plain bind then fails, and a new
