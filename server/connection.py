@@ -132,7 +132,11 @@ class Connection(TCPServer):
         if fd < 0:
             return
         deadline = min(trio.current_time() + CLOSE_LINGER, self._hard_deadline)
-        with socket.socket(fileno=os.dup(fd)) as peek:
+        try:
+            duplicate = os.dup(fd)  # a socket object of our own to peek with
+        except OSError:  # out of descriptors: close without waiting
+            return
+        with socket.socket(fileno=duplicate) as peek:
             while trio.current_time() < deadline:
                 try:
                     peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
