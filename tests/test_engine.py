@@ -260,14 +260,17 @@ async def test_direct_delivery_keeps_order_through_refusals(
                     piece = await iterator.__anext__()
                 except StopAsyncIteration:
                     break
-                if len(pieces) % 3 == 0:
-                    # Slow to "write" what it took: later pieces must wait, not overtake it.
-                    await trio.sleep(0.02)
+                if sum(1 for path, _ in pieces if path == "channel") < 2:
+                    # Slow to "write" what it took: later pieces pile up in the channel and
+                    # must wait, not overtake it (nor be overtaken once the sink is re-armed).
+                    await trio.sleep(0.05)
                 pieces.append(("channel", piece))
     assert "".join(p.text for _, p in pieces) == reference.text
     assert [t for _, p in pieces for t in p.tokens] == reference.tokens
     paths = [path for path, _ in pieces]
-    assert paths.count("direct") >= 10 and paths.count("channel") >= 3
+    # Whatever the timing: calls 1-4 are taken, 5 is refused, 6 is taken after a re-arm, 7
+    # raises, and the last piece is refused.
+    assert paths.count("direct") >= 5 and paths.count("channel") >= 3
     assert pieces[-1][0] == "channel" and pieces[-1][1].finish_reason == "length"
     assert "direct delivery failed" in caplog.text
     await settle(engine)
