@@ -10,8 +10,9 @@ Public API::
 Each decode step, the engine task admits queued jobs into free sequences (keeping the cells of
 the longest cached prompt prefix), builds one batch (one token per decoding sequence plus
 prompt chunks, see ``scheduler.plan_step``), runs decode + sampling in its own decode thread, and
-delivers one ``Piece`` per sequence into that job's bounded channel with ``send_nowait``. A job
-whose channel is full is skipped (paused) until its reader catches up. Leaving ``submit``'s
+delivers one ``Piece`` per sequence while the next step decodes: to the reader's sink when one
+is armed (``Stream.deliver_directly``), otherwise into that job's bounded channel with
+``send_nowait``. A job whose channel is full is skipped (paused) until its reader catches up. Leaving ``submit``'s
 block for any reason releases the job: the engine drops it before its next step and frees its
 KV cells.
 """
