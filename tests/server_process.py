@@ -16,6 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LISTENING = re.compile(r"listening on http://(\S+):(\d+)")
+# SmolLM2's <|endoftext|>, <|im_start|> and <|im_end|> as a logit_bias that bans them: a stream
+# runs to max_tokens.
+NO_END_TOKENS = {"0": -100, "1": -100, "2": -100}
 
 
 class ServerProcess:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import NO_END_TOKENS, ServerProcess
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -147,7 +147,8 @@ def test_raw_sse_stream(server: ServerProcess) -> None:
 
 
 def test_raw_sse_without_usage_and_completion_shape(server: ServerProcess) -> None:
-    body = {"prompt": "Hello", "max_tokens": 4, "stream": True}
+    # Sampled (temperature 1): the end tokens are banned, or a draw of one would end it early.
+    body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "logit_bias": NO_END_TOKENS}
     raw = httpx.post(server.url + "/v1/completions", json=body, timeout=120).content
     events = sse_events(raw)
     assert events[-1] == b"data: [DONE]"

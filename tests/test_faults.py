@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import NO_END_TOKENS, ServerProcess
 
 KEEP_ALIVE = 2.0
 WRITE_TIMEOUT = 4.0
@@ -26,8 +26,6 @@ MAX_CONNECTIONS = 16
 MAX_HEADER = 4096
 # Slack on every "within N seconds" below: the machine is shared and has two cores.
 SLACK = 3.0
-# SmolLM2's end tokens, banned so that a stream runs to max_tokens.
-NO_END_TOKENS = {"0": -100, "1": -100, "2": -100}
 
 
 @pytest.fixture(scope="module")

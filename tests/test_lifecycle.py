@@ -25,10 +25,8 @@ from typing import Any
 
 import httpx
 
-from tests.server_process import ServerProcess
+from tests.server_process import NO_END_TOKENS, ServerProcess
 
-# SmolLM2's <|endoftext|>, <|im_start|> and <|im_end|>: banned, a stream runs to max_tokens.
-NO_END_TOKENS = {"0": -100, "1": -100, "2": -100}
 SHUTTING_DOWN = {
     "message": "server is shutting down",
     "type": "server_error",

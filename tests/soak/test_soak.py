@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import NO_END_TOKENS, ServerProcess
 
 CLIENTS = 32
 # Up to this many generated tokens per request (the server's --max-tokens ceiling too).
@@ -42,8 +42,6 @@ IN_FLIGHT_MARGIN = 1.0  # seconds
 # Streams that run past the drain in the SIGTERM test (a sequence there holds 512 tokens).
 LONG_STREAMS = 4
 LONG_STREAM_TOKENS = 480
-# SmolLM2's end tokens, banned so that a stream runs to max_tokens.
-NO_END_TOKENS = {"0": -100, "1": -100, "2": -100}
 SHUTTING_DOWN = "server_shutting_down"
 
 PROMPTS = [
