@@ -62,6 +62,7 @@ lint: setup
 	$(PY) -m ruff check ffi server tests bench build_ffi.py
 	$(PY) -m ruff format --check ffi server tests bench build_ffi.py
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) build ffi/_llama*.so ffi/.build-stamp vendor/llama.cpp

@@ -169,8 +169,8 @@ def run_ours(model: ffi.Model, cfg: Config, width: int, order: int, banned: list
 
     async def main() -> dict[str, Any]:
         async with open_engine(model, config) as engine:
-            async with engine.submit(Job(warm, sampling, max_tokens=1)) as stream:
-                async for _ in stream:
+            async with engine.submit(Job(warm, sampling, max_tokens=1)) as pieces:
+                async for _ in pieces:
                     pass
             return await _timed_jobs(engine, jobs)
 

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import trio
 
-from server.config import parse_settings
-from server.lifecycle import Server
-from server.listener import ListenError
 from server.model_files import DefaultModelMissing
+from server.net.lifecycle import Server
+from server.net.listener import ListenError
+from server.settings import parse_settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:

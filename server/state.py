@@ -14,10 +14,10 @@ import time
 import trio
 
 import ffi
-from server.config import Settings
+from server.api.metrics import Metrics
 from server.engine import Engine, EngineConfig, EngineStats, open_engine
-from server.metrics import Metrics
 from server.model_files import default_model_path
+from server.settings import Settings
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ class Result:
 
 async def collect(engine: Engine, job: Job) -> Result:
     result = Result()
-    async with engine.submit(job) as stream:
-        async for piece in stream:
+    async with engine.submit(job) as pieces:
+        async for piece in pieces:
             result.text += piece.text
             result.tokens += piece.tokens
             result.pieces += 1
@@ -97,9 +97,9 @@ async def test_cancel_mid_generation_frees_everything(model: ffi.Model, engine: 
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_beside)
-        async with engine.submit(job(model, PROMPTS[1], 500)) as stream:
+        async with engine.submit(job(model, PROMPTS[1], 500)) as pieces:
             received = 0
-            async for _ in stream:
+            async for _ in pieces:
                 received += 1
                 if received == 5:
                     break
@@ -176,14 +176,14 @@ async def test_long_prompt_interleaves_with_running_stream(model: ffi.Model, eng
     events: list[str] = []
 
     async def runner() -> None:
-        async with engine.submit(job(model, PROMPTS[0], 200)) as stream:
-            async for _ in stream:
+        async with engine.submit(job(model, PROMPTS[0], 200)) as pieces:
+            async for _ in pieces:
                 events.append("run")
 
     async def long_job() -> None:
-        async with engine.submit(Job(long_prompt, GREEDY, max_tokens=2)) as stream:
+        async with engine.submit(Job(long_prompt, GREEDY, max_tokens=2)) as pieces:
             events.append("submit-long")
-            async for _ in stream:
+            async for _ in pieces:
                 events.append("long")
 
     async with trio.open_nursery() as nursery:
@@ -206,8 +206,8 @@ async def test_slow_consumer_does_not_slow_a_fast_one(model: ffi.Model, engine: 
 
     async def slow() -> None:
         nonlocal slow_read, paused_seen
-        async with engine.submit(job(model, PROMPTS[1], 1000)) as stream:
-            async for _ in stream:
+        async with engine.submit(job(model, PROMPTS[1], 1000)) as pieces:
+            async for _ in pieces:
                 slow_read += 1
                 paused_seen = paused_seen or engine.stats.paused > 0
                 if fast_done_at_slow_count is not None and slow_read > 3:
@@ -238,7 +238,7 @@ async def test_direct_delivery_keeps_order_through_refusals(
     took; refused pieces and a sink that raises fall back to the channel; the last piece is
     refused and comes through iteration."""
     reference = await collect(engine, job(model, PROMPTS[1], 48))
-    pieces: list[tuple[str, Piece]] = []
+    received: list[tuple[str, Piece]] = []
     calls = 0
 
     def sink(piece: Piece) -> bool:
@@ -248,30 +248,30 @@ async def test_direct_delivery_keeps_order_through_refusals(
             raise RuntimeError("a bug in a sink")
         if piece.finish_reason is not None or calls % 5 == 0:
             return False
-        pieces.append(("direct", piece))
+        received.append(("direct", piece))
         return True
 
     with caplog.at_level(logging.ERROR, logger="server.engine"):
-        async with engine.submit(job(model, PROMPTS[1], 48)) as stream:
-            iterator = stream.__aiter__()
+        async with engine.submit(job(model, PROMPTS[1], 48)) as pieces:
+            iterator = pieces.__aiter__()
             while True:
-                stream.deliver_directly(sink)
+                pieces.deliver_directly(sink)
                 try:
                     piece = await iterator.__anext__()
                 except StopAsyncIteration:
                     break
-                if sum(1 for path, _ in pieces if path == "channel") < 2:
+                if sum(1 for path, _ in received if path == "channel") < 2:
                     # Slow to "write" what it took: later pieces pile up in the channel and
                     # must wait, not overtake it (nor be overtaken once the sink is re-armed).
                     await trio.sleep(0.05)
-                pieces.append(("channel", piece))
-    assert "".join(p.text for _, p in pieces) == reference.text
-    assert [t for _, p in pieces for t in p.tokens] == reference.tokens
-    paths = [path for path, _ in pieces]
+                received.append(("channel", piece))
+    assert "".join(p.text for _, p in received) == reference.text
+    assert [t for _, p in received for t in p.tokens] == reference.tokens
+    paths = [path for path, _ in received]
     # Whatever the timing: calls 1-4 are taken, 5 is refused, 6 is taken after a re-arm, 7
     # raises, and the last piece is refused.
     assert paths.count("direct") >= 5 and paths.count("channel") >= 3
-    assert pieces[-1][0] == "channel" and pieces[-1][1].finish_reason == "length"
+    assert received[-1][0] == "channel" and received[-1][1].finish_reason == "length"
     assert "direct delivery failed" in caplog.text
     await settle(engine)
     assert engine.stats.active == 0

@@ -534,7 +534,7 @@ def test_hypercorn_cli_serves_a_stream_and_exits_on_sigterm() -> None:
     port = free_port()
     hypercorn = os.path.join(os.path.dirname(sys.executable), "hypercorn")
     env = {"LLAMA_TRIO_PARALLEL": "1", "LLAMA_TRIO_CTX_SIZE": "512", "LLAMA_TRIO_THREADS": "1"}
-    argv = [hypercorn, "--worker-class", "trio", "--bind", f"127.0.0.1:{port}", "server.app:create_app()"]
+    argv = [hypercorn, "--worker-class", "trio", "--bind", f"127.0.0.1:{port}", "server.api.app:create_app()"]
     with ServerProcess(argv=argv, port=port, env=env) as proc:
         proc.wait_ready()
         stream = CurlStream(proc.url, chat_body(8, endless=False))

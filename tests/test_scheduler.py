@@ -6,7 +6,16 @@ import random
 
 import pytest
 
-from server.scheduler import PlanEntry, StopMatcher, common_prefix, pick_slot, plan_step
+from server.engine.scheduler import (
+    PlanEntry,
+    StopMatcher,
+    Verdict,
+    common_prefix,
+    judge_token,
+    pick_slot,
+    plan_step,
+    release_held,
+)
 
 
 def test_common_prefix() -> None:
@@ -86,3 +95,52 @@ def test_stop_matcher_any_split_equals_whole_text() -> None:
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
         assert feed_all(StopMatcher(["END", "zzz"]), pieces) == ("The quick brown fox jumps over the lazy dog. ", True)
         assert feed_all(StopMatcher(["nope", "dog!"]), pieces) == (text, False)
+
+
+# -- the per-token finish decision -------------------------------------------------------------
+
+
+def judge(text: str, *, stops: StopMatcher | None = None, eog: bool = False, **kw: int | None) -> Verdict:
+    limits: dict[str, int | None] = {"n_generated": 1, "max_tokens": None, "n_past": 10, "n_ctx_seq": 512}
+    limits.update(kw)
+    return judge_token(stops or StopMatcher([]), text, end_of_generation=eog, **limits)  # type: ignore[arg-type]
+
+
+def test_judge_token_goes_on_while_no_limit_is_reached() -> None:
+    assert judge("Hello") == Verdict("Hello", None, False)
+    assert judge("x", n_generated=4, max_tokens=5, n_past=510) == Verdict("x", None, False)
+
+
+def test_judge_token_end_of_generation_stops_and_releases_held_text() -> None:
+    assert judge("", eog=True) == Verdict("", "stop", True)
+    # An end token wins over every limit reached at the same token.
+    assert judge("", eog=True, n_generated=5, max_tokens=5, n_past=512) == Verdict("", "stop", True)
+
+
+def test_judge_token_stop_string_cuts_and_wins_over_limits() -> None:
+    stops = StopMatcher(["END"])
+    assert judge("abc E", stops=stops) == Verdict("abc ", None, False)  # "E" is held back
+    assert judge("ND tail", stops=stops, n_generated=9, max_tokens=9, n_past=600) == Verdict("", "stop", False)
+
+
+def test_judge_token_max_tokens_and_full_context_end_with_length() -> None:
+    assert judge("a", n_generated=5, max_tokens=5) == Verdict("a", "length", True)
+    assert judge("a", n_generated=6, max_tokens=5) == Verdict("a", "length", True)
+    assert judge("a", n_past=512, n_ctx_seq=512) == Verdict("a", "length", True)
+    assert judge("a", n_past=511, n_ctx_seq=512) == Verdict("a", None, False)
+
+
+def test_judge_token_at_a_limit_keeps_a_possible_stop_prefix_for_release_held() -> None:
+    stops = StopMatcher(["</s>"])
+    verdict = judge("done </", stops=stops, n_generated=3, max_tokens=3)
+    assert verdict == Verdict("done ", "length", True)
+    # Nothing more came from the detokenizer: the held "</" is text after all.
+    assert release_held(stops, "") == "</"
+
+
+def test_release_held_can_complete_a_stop_string() -> None:
+    stops = StopMatcher(["</s>"])
+    assert judge("x </", stops=stops, n_generated=2, max_tokens=2).text == "x "
+    # The detokenizer's last bytes complete the stop string: cut there, nothing after it.
+    assert release_held(stops, "s> more") == ""
+    assert release_held(StopMatcher([]), "tail") == "tail"

@@ -1,4 +1,4 @@
-"""README's Settings table says what ``server.config`` does: one row per flag, same variable, same
+"""README's Settings table says what ``server.settings`` does: one row per flag, same variable, same
 meaning as the ``--help`` text."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pathlib
 import re
 from dataclasses import fields
 
-from server.config import _HELP, ENV_PREFIX, Settings
+from server.settings import _HELP, ENV_PREFIX, Settings
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 _ROW = re.compile(r"^\| `--([a-z-]+)` \| `([A-Z_]+)` \| [^|]+ \| (.+) \|$")

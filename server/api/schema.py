@@ -62,7 +62,7 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
-class _Sampling(_Request):
+class SamplingFields(_Request):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -97,12 +97,12 @@ class _Sampling(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str
 
 

@@ -1,7 +1,7 @@
 """Settings: every flag of the command line, each also read from ``LLAMA_TRIO_<FLAG>``.
 
 Precedence: command-line flag, then environment variable, then default. ``settings_from_env``
-gives the same settings without a command line (the ``hypercorn ... 'server.app:create_app()'``
+gives the same settings without a command line (the ``hypercorn ... 'server.api.app:create_app()'``
 launch).
 """
 

@@ -31,11 +31,11 @@ from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
-from server.app import create_app
-from server.config import Settings
-from server.connection import Connection
+from server.api.app import create_app
 from server.engine import ShuttingDown
-from server.listener import bound_port, open_listener
+from server.net.connection import Connection
+from server.net.listener import bound_port, open_listener
+from server.settings import Settings
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     config.keep_alive_timeout = settings.keep_alive_timeout
     # No read timeout: Hypercorn applies it to every read, which would cut a long stream whose
     # client has nothing more to send. Slow header senders are bounded by the keep-alive timer
-    # (server/connection.py) and slow bodies by Quart's BODY_TIMEOUT (read_timeout).
+    # (server/net/connection.py) and slow bodies by Quart's BODY_TIMEOUT (read_timeout).
     config.read_timeout = None
     config.h11_max_incomplete_size = settings.max_header_size
     config.graceful_timeout = settings.drain_timeout + FINAL_WRITE_GRACE

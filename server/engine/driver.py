@@ -1,341 +1,52 @@
-"""The engine: one trio task that owns a llama.cpp context and runs continuous batching.
+"""The engine driver: one trio task that owns a llama.cpp context and runs continuous batching.
 
 Public API::
 
     async with open_engine(model, EngineConfig(...)) as engine:
-        async with engine.submit(job) as stream:     # a sequence is ours inside this block
-            async for piece in stream:
+        async with engine.submit(job) as pieces:     # a sequence is ours inside this block
+            async for piece in pieces:
                 ...
 
-Each decode step, the engine task admits queued jobs into free sequences (keeping the cells of
-the longest cached prompt prefix), builds one batch (one token per decoding sequence plus
-prompt chunks, see ``scheduler.plan_step``), runs decode + sampling in its own decode thread, and
-delivers one ``Piece`` per sequence while the next step decodes: to the reader's sink when one
-is armed (``Stream.deliver_directly``), otherwise into that job's bounded channel with
-``send_nowait``. A job whose channel is full is skipped (paused) until its reader catches up. Leaving ``submit``'s
-block for any reason releases the job: the engine drops it before its next step and frees its
-KV cells.
+Each turn of the loop (``Engine.run``): drop released jobs (``_reap``), give queued jobs free
+sequences (``_admit``, keeping the cells of the longest cached prompt prefix), plan one batch
+(``_plan``: one token per generating sequence plus prompt chunks, see
+``scheduler.plan_step``), and run fill + ``llama_decode`` + sampling in the decode thread
+(``_step``). Meanwhile the pieces the previous step produced go out (``_hand_out``): to the
+reader's sink when one is armed (``Pieces.deliver_directly``), otherwise into that job's bounded
+channel with ``send_nowait``. Then ``_conclude`` decides what each sampled token does
+(``scheduler.judge_token``) and queues the resulting pieces. A job whose channel is full is
+left out of the batch (paused) until its reader catches up. Leaving ``submit``'s block for any
+reason releases the job: the engine drops it before its next step and frees its KV cells.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import logging
-import queue
-import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator
 
 import trio
 
 import ffi
-from server import scheduler
+from server.engine import scheduler
+from server.engine.config import KV_STATS_EVERY, EngineConfig, EngineStats
+from server.engine.decode_thread import DecodeThread
+from server.engine.jobs import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineFailure,
+    Job,
+    Overloaded,
+    Phase,
+    Piece,
+    ShuttingDown,
+    Usage,
+)
+from server.engine.request import Pieces, Request, Slot
 
 logger = logging.getLogger(__name__)
-
-
-# -- jobs, pieces and errors ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Job:
-    """What to generate: prompt tokens, how to sample, when to stop."""
-
-    prompt: Sequence[int]
-    sampling: ffi.SamplingParams = field(default_factory=ffi.SamplingParams)
-    max_tokens: int | None = None  # None: until end of generation or the sequence's context ends
-    stop: Sequence[str] = ()
-    logprobs: bool = False  # reserved for a later feature; accepted, not yet produced
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A delivery to a stream: new text and the tokens behind it. The last piece of a job has
-    ``finish_reason`` ("stop" or "length") and ``usage``; the others have neither."""
-
-    text: str
-    tokens: tuple[int, ...]
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-class EngineError(Exception):
-    """Base for errors a job can end with. ``code`` is the OpenAI-style error code."""
-
-    code = "engine_error"
-    status = 500
-
-
-class Overloaded(EngineError):
-    """The queue is full; retry later."""
-
-    code = "overloaded"
-    status = 503
-
-
-class ShuttingDown(EngineError):
-    """The server is draining or stopping: the job was refused, dropped from the queue, or cut."""
-
-    code = "server_shutting_down"
-    status = 503
-
-
-class ContextLengthExceeded(EngineError):
-    """The prompt does not fit in one sequence's context."""
-
-    code = "context_length_exceeded"
-    status = 400
-
-
-class EngineFailure(EngineError):
-    """llama.cpp failed to decode a step that included this job."""
-
-    code = "engine_failure"
-    status = 500
-
-
-class Phase(enum.Enum):
-    QUEUED = "queued"
-    PREFILL = "prefill"
-    GENERATE = "generate"
-
-
-# -- configuration and statistics ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    n_parallel: int = 4
-    n_ctx: int = 8192  # KV cells in all; each sequence has its own n_ctx // n_parallel
-    n_batch: int = 512  # tokens per decode step, decoding tokens and prompt chunks together
-    n_threads: int = 2
-    max_queue: int = 64
-    # Pieces buffered per job before its sequence pauses; a reader this far behind is slow.
-    channel_size: int = 32
-
-
-# While the engine is busy, the KV cell counts in ``EngineStats`` are refreshed every this many
-# decode steps; they are exact whenever the engine is idle.
-KV_STATS_EVERY = 8
-
-
-@dataclass
-class EngineStats:
-    queued: int = 0
-    active: int = 0
-    paused: int = 0
-    kv_cells_used: int = 0  # all cells in use, as llama.cpp reports them
-    kv_cells_cached: int = 0  # of those, held by idle sequences for prefix reuse
-    prompt_tokens: int = 0  # processed (not counting cached ones)
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    decode_steps: int = 0
-    decode_seconds: float = 0.0  # inside llama_decode, all steps together
-    last_step_seconds: float = 0.0
-    requests_finished: int = 0
-    cancellations: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
-
-
-# -- one request in the engine ---------------------------------------------------------------
-
-
-class _Request:
-    __slots__ = (
-        "job",
-        "send",
-        "receive",
-        "phase",
-        "released",
-        "slot",
-        "sampler",
-        "detok",
-        "stops",
-        "n_past",
-        "n_prompt_done",
-        "n_generated",
-        "cached_tokens",
-        "pending",
-        "paused",
-        "sent",
-        "taken",
-        "sink",
-    )
-
-    def __init__(self, job: Job, channel_size: int) -> None:
-        self.job = job
-        self.send, self.receive = trio.open_memory_channel[Piece | EngineError](channel_size)
-        self.phase: Phase | None = Phase.QUEUED  # None once finished or counted as cancelled
-        self.released = False
-        self.slot: _Slot | None = None
-        self.sampler: ffi.Sampler | None = None
-        self.detok: ffi.Detokenizer | None = None
-        self.stops = scheduler.StopMatcher(job.stop)
-        self.n_past = 0  # tokens of this sequence in KV
-        self.n_prompt_done = 0
-        self.n_generated = 0
-        self.cached_tokens = 0
-        self.pending: int | None = None  # sampled token to decode next step
-        self.paused = False
-        # Items put into / taken out of the channel; their difference is what it buffers (cheaper
-        # than asking the channel for its statistics every step).
-        self.sent = 0
-        self.taken = 0
-        # Set by ``Stream.deliver_directly``: takes pieces in place of the channel while armed.
-        self.sink: Callable[[Piece], bool] | None = None
-
-
-class _Slot:
-    __slots__ = ("seq_id", "cached", "request", "last_used")
-
-    def __init__(self, seq_id: int) -> None:
-        self.seq_id = seq_id
-        self.cached: list[int] = []  # tokens whose KV cells this sequence holds, in order
-        self.request: _Request | None = None
-        self.last_used = 0
-
-
-# -- the stream a caller reads ---------------------------------------------------------------
-
-
-class Stream:
-    """Pieces of one job, in order. Iterating raises the ``EngineError`` the job ended with.
-
-    *Cancellation*: cancelling a task blocked in iteration is safe; the job keeps its sequence
-    until ``submit``'s block is left, which releases it.
-    """
-
-    def __init__(self, engine: Engine, request: _Request) -> None:
-        self._engine = engine
-        self._request = request
-
-    def __aiter__(self) -> Stream:
-        return self
-
-    def deliver_directly(self, sink: Callable[[Piece], bool]) -> None:
-        """Arm ``sink`` for the pieces that come next, when the channel is empty (otherwise do
-        nothing: iterate first).
-
-        While armed, the engine task calls ``sink(piece)`` with each piece in place of putting
-        it in the channel, synchronously, between decode steps. It must not block or reach a
-        checkpoint; it returns True when it has taken the piece (written it out), False to
-        refuse it. A refused piece, and every one after it, goes through the channel until the
-        next ``deliver_directly``; an exception counts as a refusal (and is logged). Errors
-        always come through the channel.
-
-        Arm only with nothing of this stream's in flight (every piece taken from the channel
-        already written), so that a piece the sink takes can never overtake one taken by
-        iteration. Cancellation does not apply (synchronous).
-        """
-        request = self._request
-        if request.sent == request.taken:
-            request.sink = sink
-
-    async def __anext__(self) -> Piece:
-        request = self._request
-        try:
-            item = await request.receive.receive()
-        except trio.EndOfChannel:
-            raise StopAsyncIteration from None
-        request.taken += 1
-        if request.paused:
-            self._engine._wake()
-        if isinstance(item, EngineError):
-            raise item
-        return item
-
-
-# -- the decode thread -----------------------------------------------------------------------
-
-
-class DecodeThread:
-    """The one thread that makes the engine's long llama.cpp calls (creating the context, every
-    decode step); ``await run(fn, *args)`` runs ``fn`` there and returns its result.
-
-    Why not ``trio.to_thread.run_sync``: (1) its thread cache may hand a step to a different
-    thread than the last one, and llama.cpp's OpenMP build keeps a thread team per calling
-    thread (measured: decoding from a second thread while the first is alive ran 30-50 %
-    slower); (2) its result comes back through ``run_sync_soon`` (one scheduler batch for the
-    entry-queue task, then another for the caller); here the thread writes one byte to a socket
-    the caller waits on, which wakes the caller directly (~150 vs ~280 us on the dev VM).
-
-    *Cancellation*: a call in progress is never abandoned (the thread may hold llama.cpp
-    state): a cancelled caller goes on waiting, shielded, until the call returns, then raises
-    ``Cancelled``; a caller cancelled before it starts never hands the call over. One call at
-    a time. ``close()`` ends the thread once its current call returns;
-    idempotent.
-    """
-
-    def __init__(self, name: str = "llama-trio-decode") -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
-        self._done_recv, self._done_send = socket.socketpair()
-        self._done_recv.setblocking(False)
-        self._result: tuple[bool, Any] | None = None
-        self._busy = False
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        while (call := self._calls.get()) is not None:
-            fn, args = call
-            try:
-                self._result = (True, fn(*args))
-            except BaseException as exc:  # handed to the caller, raised there
-                self._result = (False, exc)
-            self._done_send.send(b"\0")
-
-    async def run(self, fn: Callable[..., Any], *args: Any, meanwhile: Callable[[], None] | None = None) -> Any:
-        """``fn(*args)`` in the thread; ``meanwhile()``, when given, runs here (synchronously)
-        once the call is handed over, while it runs."""
-        if self._busy:
-            raise RuntimeError("DecodeThread.run is not reentrant")
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self._busy = True
-        self._calls.put((fn, args))
-        try:
-            try:
-                if meanwhile is not None:
-                    meanwhile()
-                await trio.lowlevel.wait_readable(self._done_recv)
-            except BaseException:  # cancelled: the call goes on; wait for it, then re-raise
-                with trio.CancelScope(shield=True):
-                    await trio.lowlevel.wait_readable(self._done_recv)
-                raise
-            finally:
-                with contextlib.suppress(BlockingIOError):
-                    self._done_recv.recv(1)
-        finally:
-            self._busy = False
-        assert self._result is not None
-        (ok, value), self._result = self._result, None
-        if not ok:
-            raise value
-        return value
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._calls.put(None)
-            self._thread.join()
-        self._done_recv.close()
-        self._done_send.close()
-
-
-# -- the engine ------------------------------------------------------------------------------
 
 
 class Engine:
@@ -361,28 +72,28 @@ class Engine:
             n_seq_max=config.n_parallel,
             n_threads=config.n_threads,
             # One KV stream per sequence: a sequence's cells sit at the same places whatever
-            # runs beside it, so greedy output does not depend on the other streams (with a
+            # runs beside it, so greedy output does not depend on the other sequences (with a
             # unified buffer, attention sums run in a layout-dependent order and can differ).
             kv_unified=False,
         )
         self.n_ctx_seq = self.context.n_ctx_seq
         self._eog = self.vocab.eog_tokens
         self._batch = ffi.Batch(config.n_batch)
-        self._slots = [_Slot(i) for i in range(config.n_parallel)]
-        self._queue: collections.deque[_Request] = collections.deque()
+        self._slots = [Slot(i) for i in range(config.n_parallel)]
+        self._queue: collections.deque[Request] = collections.deque()
         self._wakeup = trio.Event()
         self._accepting = True
         self._tick = 0
         self.stats = EngineStats()
         self._closed = False
         self._decode_seconds = 0.0  # of the last step; written by the decode thread
-        self._outbox: list[tuple[_Request, Piece, bool]] = []  # pieces for ``_flush``
+        self._outbox: list[tuple[Request, Piece, bool]] = []  # pieces for ``_hand_out``
 
     # -- caller side -------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def submit(self, job: Job) -> AsyncIterator[Stream]:
-        """Queue ``job``; inside the block, iterate the returned ``Stream`` for its pieces.
+    async def submit(self, job: Job) -> AsyncIterator[Pieces]:
+        """Queue ``job``; inside the block, iterate the returned ``Pieces``.
 
         Raises ``ContextLengthExceeded`` when the prompt cannot fit in a sequence, ``Overloaded``
         when the queue is full, ``ShuttingDown`` when the engine no longer admits jobs.
@@ -395,12 +106,12 @@ class Engine:
         error = self.admission_error(job)
         if error is not None:
             raise error
-        request = _Request(job, self.config.channel_size)
+        request = Request(job, self.config.channel_size)
         self._queue.append(request)
         self.stats.queued = len(self._queue)
         self._wake()
         try:
-            yield Stream(self, request)
+            yield Pieces(request, self._wake)
         finally:
             request.released = True
             request.receive.close()
@@ -464,7 +175,7 @@ class Engine:
                 self._admit()
                 plan = self._plan()
                 if not plan:
-                    self._flush()
+                    self._hand_out()
                     self._update_stats()
                     await self._wakeup.wait()
                     self._wakeup = trio.Event()
@@ -472,20 +183,20 @@ class Engine:
                 started = time.perf_counter()
                 try:
                     # What the last step produced goes out while this one decodes.
-                    sampled = await self._thread.run(self._step, plan, meanwhile=self._flush)
+                    sampled = await self._thread.run(self._step, plan, meanwhile=self._hand_out)
                 except ffi.DecodeError as exc:
                     self._fail_step(plan, exc)
                     continue
                 self.stats.decode_steps += 1
                 self.stats.decode_seconds += self._decode_seconds
                 self.stats.last_step_seconds = time.perf_counter() - started
-                self._deliver(sampled)
+                self._conclude(sampled)
                 # KV counts take two C calls per sequence: every few steps while busy, and
                 # always when the engine goes idle (above).
                 self._update_stats(kv=self.stats.decode_steps % KV_STATS_EVERY == 0)
         finally:
             # No checkpoints here: this runs to completion even while cancelled.
-            self._flush()
+            self._hand_out()
             self.abort_all(ShuttingDown("server is shutting down"))
             self._reap()
 
@@ -502,12 +213,12 @@ class Engine:
                 self._count_cancel(running)
                 self._free_slot(slot, keep_cache=False)
 
-    def _count_cancel(self, request: _Request) -> None:
+    def _count_cancel(self, request: Request) -> None:
         if request.phase is not None:
             self.stats.cancellations[request.phase.value] += 1
             request.phase = None
 
-    def _free_slot(self, slot: _Slot, *, keep_cache: bool) -> None:
+    def _free_slot(self, slot: Slot, *, keep_cache: bool) -> None:
         request = slot.request
         slot.request = None
         if request is not None and request.sampler is not None:
@@ -570,12 +281,12 @@ class Engine:
         self.stats.paused = paused
         return scheduler.plan_step(decoding, prefilling, self.config.n_batch)
 
-    def _step(self, plan: list[scheduler.PlanEntry]) -> list[tuple[_Slot, int]]:
+    def _step(self, plan: list[scheduler.PlanEntry]) -> list[tuple[Slot, int]]:
         """Worker thread: fill the batch, decode, sample. Touches only what the loop is not
         touching while it waits for this thread."""
         batch = self._batch
         batch.clear()
-        to_sample: list[tuple[_Slot, int]] = []
+        to_sample: list[tuple[Slot, int]] = []
         for entry in plan:
             slot = self._slots[entry.slot]
             request = slot.request
@@ -608,14 +319,16 @@ class Engine:
                 slot.cached.append(request.pending)  # type: ignore[arg-type]
                 request.n_past += 1
                 request.pending = None
-        out: list[tuple[_Slot, int]] = []
+        out: list[tuple[Slot, int]] = []
         for slot, index in to_sample:
             request = slot.request
             assert request is not None and request.sampler is not None
             out.append((slot, request.sampler.sample(self.context, index)))
         return out
 
-    def _deliver(self, sampled: list[tuple[_Slot, int]]) -> None:
+    def _conclude(self, sampled: list[tuple[Slot, int]]) -> None:
+        """After a step: decide what each sampled token does (``scheduler.judge_token``), queue
+        the pieces that result, and free the sequences of jobs that finished."""
         eog = self._eog
         for slot, token in sampled:
             request = slot.request
@@ -630,56 +343,53 @@ class Engine:
             self.stats.generated_tokens += 1
             detok = request.detok
             assert detok is not None
-            finish: str | None = None
-            stopped = False
-            tokens: tuple[int, ...]
-            if token in eog:
-                text, tokens, finish = "", (), "stop"
-            else:
-                tokens = (token,)
-                text, stopped = request.stops.feed(detok.feed(token))
-                if stopped:
-                    finish = "stop"
-                elif request.job.max_tokens is not None and request.n_generated >= request.job.max_tokens:
-                    finish = "length"
-                elif request.n_past >= self.n_ctx_seq:
-                    finish = "length"  # the sequence's context is full
-            if finish is None:
+            end_of_generation = token in eog
+            verdict = scheduler.judge_token(
+                request.stops,
+                "" if end_of_generation else detok.feed(token),
+                end_of_generation=end_of_generation,
+                n_generated=request.n_generated,
+                max_tokens=request.job.max_tokens,
+                n_past=request.n_past,
+                n_ctx_seq=self.n_ctx_seq,
+            )
+            tokens = () if end_of_generation else (token,)
+            if verdict.finish is None:
                 request.pending = token
-                if text:
-                    self._send(request, Piece(text, tokens))
+                if verdict.text:
+                    self._queue_piece(request, Piece(verdict.text, tokens))
                 continue
-            if not stopped:  # release what the detokenizer and the stop matcher still hold
-                tail, stopped = request.stops.feed(detok.flush())
-                text += tail if stopped else tail + request.stops.flush()
+            text = verdict.text
+            if verdict.release_held:
+                text += scheduler.release_held(request.stops, detok.flush())
             usage = Usage(len(request.job.prompt), request.n_generated, request.cached_tokens)
-            self._send(request, Piece(text, tokens, finish, usage), last=True)
+            self._queue_piece(request, Piece(text, tokens, verdict.finish, usage), last=True)
             request.phase = None
             self.stats.requests_finished += 1
             self._free_slot(slot, keep_cache=True)
 
-    def _send(self, request: _Request, piece: Piece, *, last: bool = False) -> None:
-        """Queue ``piece`` for ``_flush``; its room in the channel is held from now on."""
+    def _queue_piece(self, request: Request, piece: Piece, *, last: bool = False) -> None:
+        """Queue ``piece`` for ``_hand_out``; its room in the channel is held from now on."""
         request.sent += 1
         self._outbox.append((request, piece, last))
 
-    def _flush(self) -> None:
-        """Hand out the queued pieces: through each stream's sink or channel."""
+    def _hand_out(self) -> None:
+        """Hand out the queued pieces, each through its reader's sink or its channel."""
         outbox, self._outbox = self._outbox, []
         for request, piece, last in outbox:
             request.sent -= 1
-            self._deliver_one(request, piece)
+            self._hand_out_one(request, piece)
             if last:
                 request.send.close()
 
-    def _deliver_one(self, request: _Request, item: Piece) -> None:
+    def _hand_out_one(self, request: Request, item: Piece) -> None:
         sink = request.sink
         if sink is not None:
             try:
                 if sink(item):
                     return
             except Exception:  # a reader's bug must never stop the engine task
-                logger.exception("direct delivery failed; the stream goes on through its channel")
+                logger.exception("direct delivery failed; the job goes on through its channel")
             request.sink = None
         try:
             request.send.send_nowait(item)
@@ -690,7 +400,7 @@ class Engine:
             logger.error("delivery to a full channel; dropping the job")
             request.released = True
 
-    def _end_with_error(self, request: _Request, error: EngineError) -> None:
+    def _end_with_error(self, request: Request, error: EngineError) -> None:
         if request.send.statistics().current_buffer_used >= request.send.statistics().max_buffer_size:
             # Make room: the error matters more than text the reader has not taken yet.
             with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):

@@ -6,12 +6,15 @@
   prompt chunks of prefilling sequences in arrival order, within the batch budget.
 - ``StopMatcher``: stop strings that may span token boundaries, holding back text that could
   still turn out to be the start of one.
+- ``judge_token`` / ``release_held``: what one sampled token does to its job: the text it
+  releases, and whether the job finishes (end token, stop string, ``max_tokens``, context full).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -116,3 +119,48 @@ class StopMatcher:
     def flush(self) -> str:
         held, self._held = self._held, ""
         return held
+
+
+class Verdict(NamedTuple):
+    """What one sampled token does to its job."""
+
+    text: str  # text released now
+    finish: str | None  # "stop" or "length" when the job ends with this token, else None
+    # The job ends for a reason other than a stop string: the text the detokenizer still holds
+    # (an incomplete UTF-8 sequence) is released too, through ``release_held``.
+    release_held: bool
+
+
+def judge_token(
+    stops: StopMatcher,
+    text: str,
+    *,
+    end_of_generation: bool,
+    n_generated: int,
+    max_tokens: int | None,
+    n_past: int,
+    n_ctx_seq: int,
+) -> Verdict:
+    """Decide one sampled token: ``text`` is what the detokenizer gave for it ("" for an
+    end-of-generation token, which is never detokenized), ``n_generated`` counts it, ``n_past``
+    is the sequence's length in KV without it.
+
+    In order: an end-of-generation token ends the job ("stop", no text of its own); a stop string
+    completed by this text ends it ("stop", text cut before the stop string); then
+    ``max_tokens`` reached and a full context end it ("length").
+    """
+    if end_of_generation:
+        return Verdict("", "stop", True)
+    released, stopped = stops.feed(text)
+    if stopped:
+        return Verdict(released, "stop", False)
+    if (max_tokens is not None and n_generated >= max_tokens) or n_past >= n_ctx_seq:
+        return Verdict(released, "length", True)
+    return Verdict(released, None, False)
+
+
+def release_held(stops: StopMatcher, held: str) -> str:
+    """At a finish that was not a stop string: the text the detokenizer still held, passed
+    through the stop matcher (it may complete a stop string), then whatever the matcher held."""
+    text, stopped = stops.feed(held)
+    return text if stopped else text + stops.flush()

@@ -19,7 +19,8 @@ close first (``CLOSE_LINGER``): the side that closes first keeps the TIME_WAIT, 
 server's port makes a plain ``bind`` of that port fail after we exit.
 
 ``current_connection`` names the connection to the tasks that serve its requests; a streamed
-response uses ``body_writer()`` to write its chunks straight to the socket (see that method).
+response uses ``write_nowait`` to write its chunks straight to the socket (the framing, and why
+it is safe, are in ``server/api/streaming.py``). This module frames nothing: it moves bytes.
 """
 
 from __future__ import annotations
@@ -29,12 +30,9 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Callable
 
-import h11
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
 logger = logging.getLogger(__name__)
@@ -67,7 +65,7 @@ class Connection(TCPServer):
         self._scope: trio.CancelScope | None = None
         # The plain TCP socket, for the fast path of ``_write``; None for anything else.
         self._socket = self.stream.socket if isinstance(self.stream, trio.SocketStream) else None
-        # The tail of a direct write (``body_writer``) that did not fit in the socket's buffer;
+        # The tail of a ``write_nowait`` that did not fit in the socket's buffer;
         # it goes out first with the next write of any kind.
         self._owed = b""
 
@@ -165,37 +163,21 @@ class Connection(TCPServer):
                     return
             self._wake = trio.Event()
 
-    def body_writer(self) -> Callable[[bytes], bool] | None:
-        """A function that writes the next piece of the response body being sent now straight
-        to the socket, framed as an HTTP/1.1 chunk, without waiting, or refuses (False); None
-        when the response in progress is not a chunked HTTP/1.1 body.
+    @property
+    def writes_nowait(self) -> bool:
+        """Whether ``write_nowait`` can ever succeed (a plain TCP socket)."""
+        return self._socket is not None
 
-        It refuses when the socket would block or is gone, when another write holds the
-        connection, when the tail of its last write is still owed, and once the body has ended;
-        it never writes part of a chunk and then refuses. A chunk that does not fit whole leaves
-        its tail owed, sent ahead of the connection's next write. Only the task that sends the
-        response may use it, between the body writes it makes itself through the app (it
-        bypasses Hypercorn and h11, which keep no count of a chunked body's bytes).
+    def write_nowait(self, data: bytes) -> bool:
+        """Write ``data`` to the socket now, with one non-blocking ``write``, or refuse (False).
+
+        It refuses when the socket would block or is gone, when another write holds the send
+        lock, and while the tail of an earlier ``write_nowait`` is still owed; it never writes
+        part of ``data`` and then refuses: what the socket does not take at once is owed, and
+        goes out ahead of the connection's next write of any kind. No checkpoint, so nothing
+        else can write in between. The bytes bypass Hypercorn's protocol: the caller frames
+        them (``server/api/streaming.py`` says when that is safe).
         """
-        protocol = self.protocol.protocol
-        if self._socket is None or not isinstance(protocol, H11Protocol):
-            return None
-        connection = protocol.connection
-        # h11 frames a body of unknown length in chunks for an HTTP/1.1 peer (1.0: until close).
-        if not isinstance(connection, h11.Connection) or connection.their_http_version != b"1.1":
-            return None
-        response = protocol.stream  # this request's; a later one on the connection gets another
-        if connection.our_state is not h11.SEND_BODY or response is None:
-            return None
-
-        def write(data: bytes) -> bool:
-            if protocol.stream is not response or connection.our_state is not h11.SEND_BODY or not data:
-                return False
-            return self._write_nowait(b"%x\r\n%b\r\n" % (len(data), data))
-
-        return write
-
-    def _write_nowait(self, data: bytes) -> bool:
         fd = self._socket.fileno() if self._socket is not None else -1
         if fd < 0 or self._owed or self.send_lock.locked():
             return False

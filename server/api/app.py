@@ -1,0 +1,149 @@
+"""``create_app``: the OpenAI-compatible HTTP API as a Quart-Trio app: its routes, its
+middleware (header limit, API keys, CORS, request metrics) and its error handlers. No globals.
+
+The completion routes go to ``completions.complete``: ``prepare`` validates the body and makes
+a ``Job``; the answer holds its sequence inside ``async with engine.submit(job)``, and
+Quart-Trio cancels the handler when the client disconnects, which leaves that block and
+releases the sequence.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from server.api import schema
+from server.api.completions import complete, json_response
+from server.api.errors import ApiError
+from server.api.metrics import CONTENT_TYPE
+from server.settings import Settings, settings_from_env
+from server.state import ServerState
+
+logger = logging.getLogger("llama_trio.access")
+
+
+def create_app(settings: Settings | None = None, *, state: ServerState | None = None) -> QuartTrio:
+    """The app. With ``state``, the caller (``server.lifecycle``) runs the engine; without, the
+    app loads the model and runs the engine in its own lifespan (the hypercorn CLI launch)."""
+    owns_engine = state is None
+    if state is None:
+        state = ServerState(settings or settings_from_env())
+    settings = state.settings
+    app = QuartTrio(__name__)
+    app.config.update(
+        RESPONSE_TIMEOUT=None,  # streams have no hidden time limit
+        BODY_TIMEOUT=settings.read_timeout,
+        MAX_CONTENT_LENGTH=settings.max_body,
+    )
+    app.extensions["llama_trio"] = state
+    api_keys = settings.api_keys()
+    cors = set(settings.cors_origin)
+
+    if owns_engine:
+
+        @app.before_serving
+        async def start_engine() -> None:
+            await app.nursery.start(state.run_engine)
+
+        @app.after_serving
+        async def stop_engine() -> None:
+            # Hypercorn has closed its connections by now (see docs/lifecycle.md).
+            state.draining = True
+            state.stop_engine()
+
+    @app.before_request
+    async def limit_head() -> Response | None:
+        # h11 bounds only a head that arrives in pieces; one that comes in a single read is
+        # parsed whole, so the limit is checked here too.
+        scope = request.scope
+        size = len(scope.get("raw_path", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if size > settings.max_header_size:
+            message = f"request headers are larger than {settings.max_header_size} bytes"
+            return ApiError(431, message, code="request_header_too_large", headers={"Connection": "close"}).response()
+        return None
+
+    @app.before_request
+    async def authenticate() -> Response | None:
+        if not api_keys or request.path == "/health" or request.method == "OPTIONS":
+            return None
+        header = request.headers.get("Authorization", "")
+        given = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
+        given_bytes = given.encode()
+        ok = False
+        for key in api_keys:  # constant time per key; every key is checked
+            ok |= hmac.compare_digest(given_bytes, key.encode())
+        if not ok:
+            message = "invalid API key" if given else "missing API key (Authorization: Bearer <key>)"
+            return ApiError(401, message, type_="authentication_error", code="invalid_api_key").response()
+        return None
+
+    @app.after_request
+    async def finish(response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        if cors and origin and ("*" in cors or origin in cors):
+            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in cors else origin
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Api-Key"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Vary"] = "Origin"
+        rule = request.url_rule.rule if request.url_rule else "unmatched"
+        state.metrics.requests.labels(rule, str(response.status_code)).inc()
+        return response
+
+    @app.errorhandler(ApiError)
+    async def api_error(exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        codes = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+        message = {
+            404: f"no route for {request.path}",
+            405: f"{request.method} is not allowed on {request.path}",
+            413: f"request body is larger than {settings.max_body} bytes",
+        }.get(status, exc.description or exc.name)
+        type_ = "invalid_request_error" if status < 500 else "server_error"
+        # The body was not read (whole): the connection cannot carry another request.
+        headers = {"Connection": "close"} if status in {408, 413} else None
+        return ApiError(status, message, type_=type_, code=codes.get(status), headers=headers).response()
+
+    @app.errorhandler(Exception)
+    async def unexpected(exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(500, "internal server error", type_="server_error", code="internal_error").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            status, code = "draining", 503
+        elif state.load_failed is not None:
+            status, code = "model_load_failed", 503
+        elif state.engine is None:
+            status, code = "loading", 503
+        else:
+            status, code = "ok", 200
+        return Response(json.dumps({"status": status}), status=code, content_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), content_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = schema.ModelCard(id=state.model_id, created=state.created)
+        return json_response(schema.ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await complete(state, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await complete(state, chat=False)
+
+    return app

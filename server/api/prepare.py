@@ -1,0 +1,177 @@
+"""Request to job: read and validate the JSON body, render the chat template, tokenize, and
+build the ``Job`` the engine runs. Every problem is an ``ApiError`` (a 4xx) here, before any
+sequence is taken.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+import trio
+from quart import request
+
+import ffi
+from server.api import schema
+from server.api.errors import ApiError, param_from_loc
+from server.engine import Job, ShuttingDown
+from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+# Prompts longer than this many characters are rendered and tokenized in a worker thread.
+INLINE_TOKENIZE_CHARS = 16_384
+# Defaults where a request says nothing. temperature/top_p follow OpenAI; top_k and min_p cut
+# the long tail as llama.cpp's own defaults do.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_K = 40
+DEFAULT_MIN_P = 0.05
+# Names of unknown request fields logged once each; at most this many, this long, are kept.
+MAX_WARNED_FIELDS = 64
+MAX_FIELD_NAME = 64
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    job: Job
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field a problem with the prompt is about."""
+        return "messages" if self.chat else "prompt"
+
+
+async def read_json(model: type[pydantic.BaseModel]) -> Any:
+    """The request body validated as ``model``; a 400 naming the first bad field otherwise."""
+    raw = await request.get_data(as_text=False)
+    try:
+        payload = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(payload)
+    except pydantic.ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        param = param_from_loc(tuple(first["loc"]))
+        raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param, code="invalid_value") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
+
+
+def sampling_params(req: schema.SamplingFields, n_vocab: int) -> ffi.SamplingParams:
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        token = int(key)
+        if token >= n_vocab:
+            raise ApiError(400, f"logit_bias token {token} is not in the vocabulary", param="logit_bias")
+        bias[token] = value
+    return ffi.SamplingParams(
+        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        # A top_k beyond the vocabulary filters nothing; clamped, it also fits llama.cpp's int32.
+        top_k=DEFAULT_TOP_K if req.top_k is None else min(req.top_k, n_vocab),
+        top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=DEFAULT_MIN_P if req.min_p is None else req.min_p,
+        seed=None if req.seed is None else req.seed & 0xFFFFFFFF,
+        repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        logit_bias=bias,
+    )
+
+
+def _warn_extra(state: ServerState, req: pydantic.BaseModel) -> None:
+    # Clients choose these names: remember a bounded number of them, each cut short, and log
+    # them quoted (a name may hold newlines).
+    room = MAX_WARNED_FIELDS - len(state.warned_fields)
+    if room <= 0:
+        return
+    extra = {name[:MAX_FIELD_NAME] for name in req.model_extra or {}} - state.warned_fields
+    if extra:
+        names = sorted(extra)[:room]
+        state.warned_fields.update(names)
+        logger.info("ignoring request fields we do not use: %s", ", ".join(map(repr, names)))
+
+
+async def prepare(state: ServerState, *, chat: bool) -> Prepared:
+    """The current request as a job for ``state``'s engine.
+
+    *Cancellation*: safe at any point; a render running in a worker thread finishes there and
+    its result is dropped.
+    """
+    req: schema.ChatCompletionRequest | schema.CompletionRequest
+    if chat:
+        req = await read_json(schema.ChatCompletionRequest)
+    else:
+        req = await read_json(schema.CompletionRequest)
+    _warn_extra(state, req)
+    engine = state.engine
+    if state.draining:
+        raise ApiError.from_engine(ShuttingDown("server is shutting down"))
+    if engine is None or state.template is None:
+        raise ApiError(
+            503, "the model is still loading", type_="server_error", code="model_loading", headers={"Retry-After": "1"}
+        )
+    vocab = engine.vocab
+    param = "messages" if chat else "prompt"
+    if isinstance(req, schema.ChatCompletionRequest):
+        messages = []
+        for i, message in enumerate(req.messages):
+            try:
+                text = message.text()
+            except schema.PartError as exc:
+                raise ApiError(400, str(exc), param=f"messages[{i}].content[{exc.index}].type") from None
+            role = "system" if message.role == "developer" else message.role
+            messages.append({"role": role, "content": text})
+        template = state.template
+        size = sum(len(m["content"]) for m in messages)
+
+        def render() -> list[int]:
+            prompt = template.render(messages, add_generation_prompt=True)
+            return tokenize_prompt(vocab, prompt)
+
+        max_tokens = req.max_completion_tokens or req.max_tokens
+    else:
+        prompt_text = req.prompt
+        size = len(prompt_text)
+
+        def render() -> list[int]:
+            return tokenize_prompt(vocab, prompt_text)
+
+        max_tokens = req.max_tokens
+    try:
+        tokens = await trio.to_thread.run_sync(render) if size > INLINE_TOKENIZE_CHARS else render()
+    except ffi.TemplateError as exc:
+        raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+    except ffi.TokenizeError as exc:
+        raise ApiError(400, str(exc), param=param) from None
+    except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate is not text
+        problem = "the text contains a lone UTF-16 surrogate (invalid Unicode)"
+        raise ApiError(400, problem, param=param, code="invalid_value") from None
+    if not tokens:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    ceiling = state.settings.max_tokens
+    if ceiling is not None:
+        max_tokens = min(max_tokens or ceiling, ceiling)
+    job = Job(tokens, sampling_params(req, vocab.n_tokens), max_tokens=max_tokens, stop=req.stop_list())
+    error = engine.admission_error(job)
+    if error is not None:
+        raise ApiError.from_engine(error, param=param)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Prepared(job, req.stream, include_usage, chat)
+
+
+def tokenize_prompt(vocab: ffi.Vocab, prompt: str) -> list[int]:
+    tokens = vocab.tokenize(prompt, add_special=True, parse_special=True)
+    if len(tokens) > 1 and tokens[0] == tokens[1] == vocab.bos:
+        del tokens[0]  # the template already wrote BOS
+    return tokens

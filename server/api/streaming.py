@@ -1,0 +1,157 @@
+"""Streamed responses: the SSE body of a completion, and its fast path.
+
+This is the one module that reaches under Quart and Hypercorn. The SSE body is an async
+generator that Quart sends chunk by chunk; on top of that, while the socket takes them, the
+engine task writes a stream's text pieces straight to the socket (``_direct_sink``) instead of
+waking this body's task, and Quart, Hypercorn and h11 never see those bytes. Per token this
+skips a task switch, Quart's and Hypercorn's body path and h11's framing; on 2 cores every
+microsecond the main thread spends between two decode steps delays the next one (measured in
+``bench/results/README.md``).
+
+The fast path is correct because of these invariants, each checked where it is used:
+
+1. **h11 keeps no byte count of a chunked body.** A body of unknown length to an HTTP/1.1 peer
+   is sent chunked, and h11 only tracks its state (``SEND_BODY``); chunks we frame and write
+   ourselves between two of its own leave its state as valid as before. So the fast path is
+   used only for a chunked HTTP/1.1 body (``their_http_version == b"1.1"``) in ``SEND_BODY``;
+   an HTTP/1.0 peer (close-delimited body) takes the ordinary path.
+2. **Quart finishes each ``send`` before it pulls the next chunk** from the body generator.
+   So while the generator runs, no write of this response is in flight, and arming the sink
+   from the generator (``Pieces.deliver_directly``, which arms only when every piece taken
+   from the channel has been yielded) cannot let a direct piece overtake a queued one.
+3. **One writer at a time.** ``Connection.write_nowait`` refuses while the connection's send
+   lock is held (a write through Hypercorn in progress), and writes with one non-blocking
+   ``write`` with no checkpoint in between, so direct and ordinary writes never interleave.
+4. **The owed tail.** A chunk the socket takes only in part is still a whole chunk on the
+   wire: its tail is owed and goes out ahead of the connection's next write of any kind
+   (``Connection`` keeps it); the direct writer refuses while a tail is owed.
+5. **The response is still ours.** The writer checks, at every piece, that Hypercorn's
+   current stream is this request's (a later request on the connection has another) and that
+   h11 is still in ``SEND_BODY``; the last piece (with ``finish_reason``) always goes through
+   the body generator, which ends the body.
+
+A piece the sink refuses, and every one after it, goes through the channel until the body
+re-arms the sink, so backpressure (the sequence pauses) and the write timeout work unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import h11
+import trio
+from hypercorn.protocol.h11 import H11Protocol
+from quart import Response
+
+from server.api import sse
+from server.api.prepare import Prepared
+from server.api.trace import Trace, usage_payload
+from server.engine import Engine, EngineError, Piece, PieceSink
+from server.net.connection import current_connection
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def streamed_response(
+    engine: Engine, prepared: Prepared, framer: sse.ChunkFramer, trace: Trace, ping_interval: float
+) -> Response:
+    """The ``text/event-stream`` response for ``prepared``; its job is submitted when Quart
+    starts sending the body."""
+    body = _sse_body(engine, prepared, framer, trace, ping_interval)
+    return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _sse_body(
+    engine: Engine, prepared: Prepared, framer: sse.ChunkFramer, trace: Trace, ping_interval: float
+) -> AsyncIterator[bytes]:
+    """The SSE body. Leaving it for any reason (done, error, the client gone) releases the
+    job; it always ends with ``[DONE]`` when it ends by itself. After ``ping_interval`` seconds
+    without a write (queued, a long prompt) a comment line goes out, which keeps proxies and
+    clients from timing the stream out.
+
+    Text pieces are written by the engine task straight to the socket while that is possible;
+    this generator wakes for the rest: the end, errors, pings, and pieces the socket could not
+    take at once (a slow reader), which then pause the sequence as usual.
+
+    *Cancellation*: Quart-Trio cancels the task iterating this body when the client goes
+    away; the ``submit`` block is left and the engine frees the sequence before its next step.
+    """
+    try:
+        if prepared.chat:
+            yield framer.role()
+        try:
+            async with engine.submit(prepared.job) as pieces:
+                sink = _direct_sink(framer, trace)
+                trace.written = trio.current_time()
+                while True:
+                    if sink is not None:
+                        pieces.deliver_directly(sink)  # everything taken so far is written
+                    with trio.move_on_at(trace.written + ping_interval) as waited:
+                        try:
+                            piece = await pieces.__anext__()
+                        except StopAsyncIteration:
+                            break
+                    if waited.cancelled_caught:
+                        if trio.current_time() >= trace.written + ping_interval:  # silent that long
+                            trace.written = trio.current_time()
+                            yield sse.PING
+                        continue
+                    trace.piece(piece)
+                    if piece.text:
+                        yield framer.text(piece.text)
+                        trace.written = trio.current_time()
+                    if piece.finish_reason:
+                        yield framer.finish(piece.finish_reason)
+                        if prepared.include_usage and piece.usage is not None:
+                            yield framer.usage(usage_payload(piece.usage))
+        except EngineError as exc:
+            trace.ending = exc.code
+            type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
+            yield sse.error_event(str(exc), type_, exc.code)
+        yield sse.DONE
+    finally:
+        trace.log()
+
+
+def _direct_sink(framer: sse.ChunkFramer, trace: Trace) -> PieceSink | None:
+    """The sink the engine task calls with each piece of this stream: frame it as an SSE event
+    in an HTTP/1.1 chunk and write it without waiting (True), or refuse (False: the socket
+    would block or is gone, or it is the last piece, which the body sends with the finish and
+    usage events). None where the response cannot be written directly."""
+    write = _chunk_writer()
+    if write is None:
+        return None
+
+    def sink(piece: Piece) -> bool:
+        if piece.finish_reason is not None or not write(framer.text(piece.text)):
+            return False
+        trace.piece(piece)
+        trace.written = trio.current_time()
+        return True
+
+    return sink
+
+
+def _chunk_writer() -> Callable[[bytes], bool] | None:
+    """A function that writes one chunk of the response being sent now straight to the
+    socket, or refuses (False); None when that response is not a chunked HTTP/1.1 body on one
+    of our own connections (invariants 1 and 5 above)."""
+    connection = current_connection.get()
+    if connection is None or not connection.writes_nowait:  # e.g. under the hypercorn CLI
+        return None
+    protocol = connection.protocol.protocol  # Hypercorn's ProtocolWrapper -> H11Protocol
+    if not isinstance(protocol, H11Protocol):
+        return None
+    h11_connection = protocol.connection
+    if not isinstance(h11_connection, h11.Connection) or h11_connection.their_http_version != b"1.1":
+        return None
+    response = protocol.stream  # this request's; a later one on the connection gets another
+    if h11_connection.our_state is not h11.SEND_BODY or response is None:
+        return None
+
+    def write(data: bytes) -> bool:
+        if protocol.stream is not response or h11_connection.our_state is not h11.SEND_BODY or not data:
+            return False
+        return connection.write_nowait(b"%x\r\n%b\r\n" % (len(data), data))
+
+    return write

@@ -1,0 +1,70 @@
+"""``Trace``: timing and outcome of one completion request, for its access-log line and the
+request metrics (time to first token, time per output token)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from server.engine import Piece, Usage
+from server.state import ServerState
+
+logger = logging.getLogger("llama_trio.access")
+
+
+def usage_payload(usage: Usage) -> dict[str, Any]:
+    """``usage`` as OpenAI sends it."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+class Trace:
+    """One request's timing. ``piece`` is called with every piece delivered (directly or
+    through the channel), ``log`` once at the end, whatever the end was."""
+
+    def __init__(self, state: ServerState, path: str) -> None:
+        self.state = state
+        self.path = path
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.usage: Usage | None = None
+        self.ending = "cancelled"
+        self.status = 200
+        self.written = 0.0  # trio time of the last write to a stream's body
+
+    def piece(self, piece: Piece) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.state.metrics.ttft.observe(now - self.start)
+        self.last = now
+        if piece.finish_reason:
+            self.usage = piece.usage
+            self.ending = piece.finish_reason
+
+    def log(self) -> None:
+        usage = self.usage
+        ttft = f"{(self.first - self.start) * 1000:.0f}ms" if self.first else "-"
+        rate = "-"
+        if usage and self.first and self.last and usage.completion_tokens > 1 and self.last > self.first:
+            per_token = (self.last - self.first) / (usage.completion_tokens - 1)
+            self.state.metrics.token_latency.observe(per_token)
+            rate = f"{1 / per_token:.1f}"
+        logger.info(
+            "POST %s %d prompt=%s completion=%s cached=%s ttft=%s tok/s=%s end=%s total=%.0fms",
+            self.path,
+            self.status,
+            usage.prompt_tokens if usage else "-",
+            usage.completion_tokens if usage else "-",
+            usage.cached_tokens if usage else "-",
+            ttft,
+            rate,
+            self.ending,
+            (time.monotonic() - self.start) * 1000,
+        )

@@ -1,0 +1,46 @@
+"""The engine: continuous batching of jobs over one llama.cpp context. Knows no HTTP.
+
+- ``jobs``: the vocabulary (``Job``, ``Piece``, ``Usage``, ``PieceSink``, the errors);
+- ``config``: ``EngineConfig`` and ``EngineStats``;
+- ``scheduler``: pure decisions (which sequence, what one step carries, stop strings, when a
+  job finishes), unit-tested without a model;
+- ``request``: one job's state in the engine and the ``Pieces`` its caller reads;
+- ``decode_thread``: the one thread that runs llama.cpp's long calls;
+- ``driver``: the ``Engine`` task and ``open_engine``.
+"""
+
+from server.engine.config import EngineConfig, EngineStats
+from server.engine.decode_thread import DecodeThread
+from server.engine.driver import Engine, open_engine
+from server.engine.jobs import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineFailure,
+    Job,
+    Overloaded,
+    Phase,
+    Piece,
+    PieceSink,
+    ShuttingDown,
+    Usage,
+)
+from server.engine.request import Pieces
+
+__all__ = [
+    "ContextLengthExceeded",
+    "DecodeThread",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineFailure",
+    "EngineStats",
+    "Job",
+    "Overloaded",
+    "Phase",
+    "Piece",
+    "PieceSink",
+    "Pieces",
+    "ShuttingDown",
+    "Usage",
+    "open_engine",
+]

@@ -1,0 +1,42 @@
+"""How an engine is shaped (``EngineConfig``) and what it reports (``EngineStats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.engine.jobs import Phase
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_parallel: int = 4
+    n_ctx: int = 8192  # KV cells in all; each sequence has its own n_ctx // n_parallel
+    n_batch: int = 512  # tokens per decode step, decoding tokens and prompt chunks together
+    n_threads: int = 2
+    max_queue: int = 64
+    # Pieces buffered per job before its sequence pauses; a reader this far behind is slow.
+    channel_size: int = 32
+
+
+# While the engine is busy, the KV cell counts in ``EngineStats`` are refreshed every this many
+# decode steps (two C calls per sequence each time); they are exact whenever the engine is idle.
+KV_STATS_EVERY = 8
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges the engine task keeps up to date; read them, never write them."""
+
+    queued: int = 0
+    active: int = 0
+    paused: int = 0
+    kv_cells_used: int = 0  # all cells in use, as llama.cpp reports them
+    kv_cells_cached: int = 0  # of those, held by idle sequences for prefix reuse
+    prompt_tokens: int = 0  # processed (not counting cached ones)
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0  # inside llama_decode, all steps together
+    last_step_seconds: float = 0.0
+    requests_finished: int = 0
+    cancellations: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})

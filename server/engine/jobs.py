@@ -1,0 +1,102 @@
+"""The engine's vocabulary: what a caller submits (``Job``), what it gets back (``Piece``, with
+``Usage`` on the last one), the errors a job can end with, and ``PieceSink``, the contract of a
+reader that takes pieces straight from the engine task. Plain data; no IO, no llama.cpp calls.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import ffi
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to generate: prompt tokens, how to sample, when to stop."""
+
+    prompt: Sequence[int]
+    sampling: ffi.SamplingParams = field(default_factory=ffi.SamplingParams)
+    max_tokens: int | None = None  # None: until end of generation or the sequence's context ends
+    stop: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A delivery to a reader: new text and the tokens behind it. The last piece of a job has
+    ``finish_reason`` ("stop" or "length") and ``usage``; the others have neither."""
+
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class PieceSink(Protocol):
+    """Takes a job's pieces in place of its channel while armed (``Pieces.deliver_directly``).
+
+    The engine task calls it synchronously, between decode steps, with each piece in order.
+    It must not block, reach a checkpoint or take long: every other sequence waits meanwhile.
+    It returns True when it has taken the piece (written it out), False to refuse it; a refused
+    piece, and every piece after it, goes through the channel until the reader arms a sink
+    again. An exception counts as a refusal (the engine logs it). Errors never go to a sink.
+    """
+
+    def __call__(self, piece: Piece, /) -> bool: ...
+
+
+class Phase(enum.Enum):
+    """Where a job is: waiting for a sequence, computing its prompt, or generating."""
+
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    GENERATE = "generate"
+
+
+class EngineError(Exception):
+    """Base for errors a job can end with. ``code`` is the OpenAI-style error code, ``status``
+    the HTTP status an API would answer with."""
+
+    code = "engine_error"
+    status = 500
+
+
+class Overloaded(EngineError):
+    """The queue is full; retry later."""
+
+    code = "overloaded"
+    status = 503
+
+
+class ShuttingDown(EngineError):
+    """The server is draining or stopping: the job was refused, dropped from the queue, or cut."""
+
+    code = "server_shutting_down"
+    status = 503
+
+
+class ContextLengthExceeded(EngineError):
+    """The prompt does not fit in one sequence's context."""
+
+    code = "context_length_exceeded"
+    status = 400
+
+
+class EngineFailure(EngineError):
+    """llama.cpp failed to decode a step that included this job."""
+
+    code = "engine_failure"
+    status = 500

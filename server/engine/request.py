@@ -1,0 +1,116 @@
+"""One job inside the engine: the engine's state for it (``Request``), the sequence it runs in
+(``Slot``), and the reader its caller iterates (``Pieces``).
+
+``Request`` and ``Slot`` are the driver's bookkeeping; only the engine task and, while the task
+waits for it, the decode thread touch them. ``Pieces`` is what ``Engine.submit`` hands out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+
+import ffi
+from server.engine.jobs import EngineError, Job, Phase, Piece, PieceSink
+from server.engine.scheduler import StopMatcher
+
+
+class Request:
+    """The engine's state for one submitted job, from queue to finish or release."""
+
+    __slots__ = (
+        "job",
+        "send",
+        "receive",
+        "phase",
+        "released",
+        "slot",
+        "sampler",
+        "detok",
+        "stops",
+        "n_past",
+        "n_prompt_done",
+        "n_generated",
+        "cached_tokens",
+        "pending",
+        "paused",
+        "sent",
+        "taken",
+        "sink",
+    )
+
+    def __init__(self, job: Job, channel_size: int) -> None:
+        self.job = job
+        self.send, self.receive = trio.open_memory_channel[Piece | EngineError](channel_size)
+        self.phase: Phase | None = Phase.QUEUED  # None once finished or counted as cancelled
+        self.released = False  # the caller left ``submit``'s block, or the job ended with an error
+        self.slot: Slot | None = None
+        self.sampler: ffi.Sampler | None = None
+        self.detok: ffi.Detokenizer | None = None
+        self.stops = StopMatcher(job.stop)
+        self.n_past = 0  # tokens of this sequence in KV
+        self.n_prompt_done = 0
+        self.n_generated = 0
+        self.cached_tokens = 0
+        self.pending: int | None = None  # sampled token to decode next step
+        self.paused = False
+        # Items put into / taken out of the channel; their difference is what it buffers (cheaper
+        # than asking the channel for its statistics every step). Pieces queued for the next
+        # hand-out count as put in: they hold their room.
+        self.sent = 0
+        self.taken = 0
+        # Set by ``Pieces.deliver_directly``: takes pieces in place of the channel while armed.
+        self.sink: PieceSink | None = None
+
+
+class Slot:
+    """One sequence of the context: what its KV cells hold, and the request using it."""
+
+    __slots__ = ("seq_id", "cached", "request", "last_used")
+
+    def __init__(self, seq_id: int) -> None:
+        self.seq_id = seq_id
+        self.cached: list[int] = []  # tokens whose KV cells this sequence holds, in order
+        self.request: Request | None = None
+        self.last_used = 0
+
+
+class Pieces:
+    """The pieces of one job, in order. Iterating raises the ``EngineError`` the job ended with.
+
+    *Cancellation*: cancelling a task blocked in iteration is safe; the job keeps its sequence
+    until ``submit``'s block is left, which releases it.
+    """
+
+    def __init__(self, request: Request, wake_engine: Callable[[], None]) -> None:
+        self._request = request
+        self._wake_engine = wake_engine
+
+    def __aiter__(self) -> Pieces:
+        return self
+
+    def deliver_directly(self, sink: PieceSink) -> None:
+        """Arm ``sink`` (see ``PieceSink`` for its contract) for the pieces that come next, when
+        the channel is empty; otherwise do nothing (iterate first).
+
+        Arm only with nothing of this job's in flight (every piece taken from the channel
+        already written), so that a piece the sink takes can never overtake one taken by
+        iteration. Cancellation does not apply (synchronous).
+        """
+        request = self._request
+        if request.sent == request.taken:
+            request.sink = sink
+
+    async def __anext__(self) -> Piece:
+        request = self._request
+        try:
+            item = await request.receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        request.taken += 1
+        if request.paused:
+            self._wake_engine()
+        if isinstance(item, EngineError):
+            raise item
+        return item
