@@ -5,7 +5,8 @@
 - ``scheduler``: pure decisions (which sequence, what one step carries, stop strings, when a
   job finishes), unit-tested without a model;
 - ``request``: one job's state in the engine and the ``Pieces`` its caller reads;
-- ``decode_thread``: the one thread that runs llama.cpp's long calls;
+- ``decode_thread``: the one thread that runs llama.cpp's long calls; ``step``: what it runs each
+  step (fill the batch, decode, sample);
 - ``driver``: the ``Engine`` task and ``open_engine``.
 """
 

@@ -11,7 +11,7 @@ Each turn of the loop (``Engine.run``): drop released jobs (``_reap``), give que
 sequences (``_admit``, keeping the cells of the longest cached prompt prefix), plan one batch
 (``_plan``: one token per generating sequence plus prompt chunks, see
 ``scheduler.plan_step``), and run fill + ``llama_decode`` + sampling in the decode thread
-(``_step``). Meanwhile the pieces the previous step produced go out (``_hand_out``): to the
+(``step.run_step``). Meanwhile the pieces the previous step produced go out (``_hand_out``): to the
 reader's sink when one is armed (``Pieces.deliver_directly``), otherwise into that job's bounded
 channel with ``send_nowait``. Then ``_conclude`` decides what each sampled token does
 (``scheduler.judge_token``) and queues the resulting pieces. A job whose channel is full is
@@ -45,6 +45,7 @@ from server.engine.jobs import (
     Usage,
 )
 from server.engine.request import Pieces, Request, Slot
+from server.engine.step import run_step
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,6 @@ class Engine:
         self._tick = 0
         self.stats = EngineStats()
         self._closed = False
-        self._decode_seconds = 0.0  # of the last step; written by the decode thread
         self._outbox: list[tuple[Request, Piece, bool]] = []  # pieces for ``_hand_out``
 
     # -- caller side -------------------------------------------------------------------------
@@ -183,14 +183,16 @@ class Engine:
                 started = time.perf_counter()
                 try:
                     # What the last step produced goes out while this one decodes.
-                    sampled = await self._thread.run(self._step, plan, meanwhile=self._hand_out)
+                    result = await self._thread.run(
+                        run_step, self.context, self._batch, self._slots, plan, meanwhile=self._hand_out
+                    )
                 except ffi.DecodeError as exc:
                     self._fail_step(plan, exc)
                     continue
                 self.stats.decode_steps += 1
-                self.stats.decode_seconds += self._decode_seconds
+                self.stats.decode_seconds += result.decode_seconds
                 self.stats.last_step_seconds = time.perf_counter() - started
-                self._conclude(sampled)
+                self._conclude(result.sampled)
                 # KV counts take two C calls per sequence: every few steps while busy, and
                 # always when the engine goes idle (above).
                 self._update_stats(kv=self.stats.decode_steps % KV_STATS_EVERY == 0)
@@ -280,51 +282,6 @@ class Engine:
         prefilling.sort(key=lambda entry: self._slots[entry[0]].last_used)
         self.stats.paused = paused
         return scheduler.plan_step(decoding, prefilling, self.config.n_batch)
-
-    def _step(self, plan: list[scheduler.PlanEntry]) -> list[tuple[Slot, int]]:
-        """Worker thread: fill the batch, decode, sample. Touches only what the loop is not
-        touching while it waits for this thread."""
-        batch = self._batch
-        batch.clear()
-        to_sample: list[tuple[Slot, int]] = []
-        for entry in plan:
-            slot = self._slots[entry.slot]
-            request = slot.request
-            assert request is not None
-            if entry.prefill:
-                start = request.n_prompt_done
-                chunk = request.job.prompt[start : start + entry.n_tokens]
-                last = start + entry.n_tokens == len(request.job.prompt)
-                index = batch.add_run(chunk, request.n_past, slot.seq_id, logits_last=last)
-                if last:
-                    to_sample.append((slot, index))
-            else:
-                assert request.pending is not None
-                index = batch.add(request.pending, request.n_past, slot.seq_id, logits=True)
-                to_sample.append((slot, index))
-        started = time.perf_counter()
-        self.context.decode(batch)
-        self._decode_seconds = time.perf_counter() - started
-        # Bookkeeping of what is now in KV, then sampling.
-        for entry in plan:
-            slot = self._slots[entry.slot]
-            request = slot.request
-            assert request is not None
-            if entry.prefill:
-                start = request.n_prompt_done
-                slot.cached.extend(request.job.prompt[start : start + entry.n_tokens])
-                request.n_prompt_done += entry.n_tokens
-                request.n_past += entry.n_tokens
-            else:
-                slot.cached.append(request.pending)  # type: ignore[arg-type]
-                request.n_past += 1
-                request.pending = None
-        out: list[tuple[Slot, int]] = []
-        for slot, index in to_sample:
-            request = slot.request
-            assert request is not None and request.sampler is not None
-            out.append((slot, request.sampler.sample(self.context, index)))
-        return out
 
     def _conclude(self, sampled: list[tuple[Slot, int]]) -> None:
         """After a step: decide what each sampled token does (``scheduler.judge_token``), queue

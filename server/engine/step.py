@@ -1,0 +1,68 @@
+"""One decode step, as the decode thread runs it: fill the batch from the plan, run
+``llama_decode``, record what each sequence's KV cells now hold, and sample every sequence
+that produced logits.
+
+It touches only the slots and requests in the plan, which the engine task leaves alone while
+it waits for the decode thread (``Engine.run``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ffi
+from server.engine.request import Slot
+from server.engine.scheduler import PlanEntry
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    sampled: list[tuple[Slot, int]]  # (slot, token) for every sequence that produced logits
+    decode_seconds: float  # inside llama_decode
+
+
+def run_step(context: ffi.Context, batch: ffi.Batch, slots: Sequence[Slot], plan: Sequence[PlanEntry]) -> StepResult:
+    """Blocking: call it in the decode thread. Raises ``ffi.DecodeError`` when llama.cpp
+    cannot decode the batch (nothing is then recorded as decoded)."""
+    batch.clear()
+    to_sample: list[tuple[Slot, int]] = []
+    for entry in plan:
+        slot = slots[entry.slot]
+        request = slot.request
+        assert request is not None
+        if entry.prefill:
+            start = request.n_prompt_done
+            chunk = request.job.prompt[start : start + entry.n_tokens]
+            last = start + entry.n_tokens == len(request.job.prompt)
+            index = batch.add_run(chunk, request.n_past, slot.seq_id, logits_last=last)
+            if last:
+                to_sample.append((slot, index))
+        else:
+            assert request.pending is not None
+            index = batch.add(request.pending, request.n_past, slot.seq_id, logits=True)
+            to_sample.append((slot, index))
+    started = time.perf_counter()
+    context.decode(batch)
+    decode_seconds = time.perf_counter() - started
+    # Bookkeeping of what is now in KV, then sampling.
+    for entry in plan:
+        slot = slots[entry.slot]
+        request = slot.request
+        assert request is not None
+        if entry.prefill:
+            start = request.n_prompt_done
+            slot.cached.extend(request.job.prompt[start : start + entry.n_tokens])
+            request.n_prompt_done += entry.n_tokens
+            request.n_past += entry.n_tokens
+        else:
+            slot.cached.append(request.pending)  # type: ignore[arg-type]
+            request.n_past += 1
+            request.pending = None
+    out: list[tuple[Slot, int]] = []
+    for slot, index in to_sample:
+        request = slot.request
+        assert request is not None and request.sampler is not None
+        out.append((slot, request.sampler.sample(context, index)))
+    return StepResult(out, decode_seconds)
