@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import NO_END_TOKENS, ServerProcess
+from tests.support.process import NO_END_TOKENS, ServerProcess
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 

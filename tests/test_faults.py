@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_process import NO_END_TOKENS, ServerProcess
+from tests.support.process import NO_END_TOKENS, ServerProcess
 
 KEEP_ALIVE = 2.0
 WRITE_TIMEOUT = 4.0

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from tests.server_process import NO_END_TOKENS, ServerProcess
+from tests.support.process import NO_END_TOKENS, ServerProcess
 
 SHUTTING_DOWN = {
     "message": "server is shutting down",

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_process import NO_END_TOKENS, ServerProcess
+from tests.support.process import NO_END_TOKENS, ServerProcess
 
 CLIENTS = 32
 # Up to this many generated tokens per request (the server's --max-tokens ceiling too).
