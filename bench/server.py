@@ -51,7 +51,6 @@ Writes ``bench/results/server.md``, ``server.png`` and ``server.json``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import json
@@ -873,21 +872,17 @@ def end_of_generation_tokens(model_path: pathlib.Path) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=MEASURES)
-    parser.add_argument("--runs", type=int, default=4, help="runs per side, alternating ABBA (default 4)")
-    parser.add_argument("--model", help="GGUF file (default: the bundled default model)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = common.parser(
+        MEASURES,
+        tool=LLAMA_SERVER,
+        runs_default=4,
+        runs_help="runs per side, alternating ABBA",
+        retries_default=2,
+        max_foreign_help="wait for, and measure again after, other processes using more cores than this",
+    )
     parser.add_argument("--waves", type=int, default=2, help="throughput requests per stream (default 2)")
     parser.add_argument("--ttft-requests", type=int, default=8, help="TTFT requests per stream (default 8)")
     parser.add_argument("--conversations", type=int, default=3, help="two-turn chats per run (default 3)")
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.25,
-        help="wait for, and measure again after, other processes using more cores than this (default 0.25)",
-    )
-    parser.add_argument("--retries", type=int, default=2, help="most repeats of one measurement (default 2)")
-    parser.add_argument("--no-build", action="store_true", help=f"do not build {LLAMA_SERVER} when missing")
     args = parser.parse_args(argv)
     if min(args.runs, args.threads, args.waves, args.ttft_requests, args.conversations) < 1:
         parser.error("--runs, --threads, --waves, --ttft-requests and --conversations must be at least 1")
