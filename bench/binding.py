@@ -22,7 +22,6 @@ Prints a markdown table and writes the raw numbers to ``bench/results/binding.js
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import pathlib
@@ -234,15 +233,11 @@ def report(runs: list[Run], cfg: Config) -> tuple[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=MEASURES)
-    parser.add_argument("--runs", type=int, default=5, help="runs of each side, alternating (default 5)")
-    parser.add_argument("--model", help="GGUF file (default: the bundled default model)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = common.parser(MEASURES, tool=BATCHED_BENCH, runs_default=5, runs_help="runs of each side, alternating")
     parser.add_argument("--pp", type=int, default=64, help="prompt tokens")
     parser.add_argument("--tg", type=int, default=128, help="generated tokens")
     parser.add_argument("--ctx", type=int, default=2048, help="context size, both sides")
     parser.add_argument("--batch", type=int, default=512, help="n_batch = n_ubatch, both sides")
-    parser.add_argument("--no-build", action="store_true", help=f"do not build {BATCHED_BENCH} when missing")
     args = parser.parse_args(argv)
     if min(args.runs, args.pp, args.tg, args.threads) < 1:
         parser.error("--runs, --pp, --tg and --threads must be at least 1")

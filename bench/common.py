@@ -3,6 +3,7 @@ are summarised and recorded. No measurement happens here."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -27,6 +28,43 @@ def model_path(path: str | os.PathLike[str] | None = None) -> pathlib.Path:
     from server.model_files import default_model_path
 
     return default_model_path()
+
+
+def parser(
+    description: str,
+    *,
+    tool: str,
+    runs_default: int,
+    runs_help: str,
+    retries_default: int | None = None,
+    retries_help: str = "most repeats of one measurement",
+    max_foreign_help: str | None = None,
+    max_foreign_default: float = 0.25,
+) -> argparse.ArgumentParser:
+    """The command line every benchmark shares; a benchmark adds only its own options.
+
+    Always: ``--runs`` (``runs_help``, then the default in parentheses), ``--model``,
+    ``--threads`` (default 2) and ``--no-build`` (do not build llama.cpp's ``tool``). With
+    ``retries_default``: ``--retries``; with ``max_foreign_help``: ``--max-foreign``. Range
+    checks stay with each benchmark (``parser.error``).
+    """
+    out = argparse.ArgumentParser(description=description)
+    out.add_argument("--runs", type=int, default=runs_default, help=f"{runs_help} (default {runs_default})")
+    out.add_argument("--model", help="GGUF file (default: the bundled default model)")
+    out.add_argument("--threads", type=int, default=2)
+    if max_foreign_help is not None:
+        out.add_argument(
+            "--max-foreign",
+            type=float,
+            default=max_foreign_default,
+            help=f"{max_foreign_help} (default {max_foreign_default})",
+        )
+    if retries_default is not None:
+        out.add_argument(
+            "--retries", type=int, default=retries_default, help=f"{retries_help} (default {retries_default})"
+        )
+    out.add_argument("--no-build", action="store_true", help=f"do not build {tool} when missing")
+    return out
 
 
 def _build_env() -> dict[str, str]:

@@ -329,23 +329,20 @@ def _widths(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=MEASURES)
-    parser.add_argument("--runs", type=int, default=5, help="runs of each side per width, alternating (default 5)")
+    parser = common.parser(
+        MEASURES,
+        tool=BATCHED_BENCH,
+        runs_default=5,
+        runs_help="runs of each side per width, alternating",
+        retries_default=4,
+        retries_help="most repeats of one pair",
+        max_foreign_help="run a pair again when other processes kept more cores than this busy",
+    )
     parser.add_argument("--widths", type=_widths, default=list(DEFAULT_WIDTHS), help="e.g. 1,4,16")
-    parser.add_argument("--model", help="GGUF file (default: the bundled default model)")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pp", type=int, default=64, help="prompt tokens per sequence")
     parser.add_argument("--tg", type=int, default=128, help="generated tokens per sequence")
     parser.add_argument("--ctx-per-seq", type=int, default=256, help="KV cells per sequence, both sides")
     parser.add_argument("--batch", type=int, default=512, help="least n_batch = n_ubatch (raised to W*pp)")
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.25,
-        help="run a pair again when other processes kept more cores than this busy (default 0.25)",
-    )
-    parser.add_argument("--retries", type=int, default=4, help="most repeats of one pair (default 4)")
-    parser.add_argument("--no-build", action="store_true", help=f"do not build {BATCHED_BENCH} when missing")
     args = parser.parse_args(argv)
     if min(args.runs, args.pp, args.tg, args.threads) < 1:
         parser.error("--runs, --pp, --tg and --threads must be at least 1")

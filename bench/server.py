@@ -51,13 +51,11 @@ Writes ``bench/results/server.md``, ``server.png`` and ``server.json``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import json
 import pathlib
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,6 +68,7 @@ from typing import Any
 import trio
 
 from bench import common
+from tests.support.ports import free_port, plain_bind, time_wait_on
 
 LLAMA_SERVER = "llama-server"
 MEASURES = "our HTTP server vs llama-server: throughput, TTFT, prefix reuse, memory, disconnects, SIGTERM, startup"
@@ -376,13 +375,6 @@ class Config:
     retries: int = 2
 
 
-def free_port() -> int:
-    """A port nothing listens on now (the probe socket never connects, so leaves no TIME_WAIT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_command(side: str, exe: pathlib.Path, model_path: pathlib.Path, cfg: Config, port: int) -> list[str]:
     if side == "llama-server":
         return [
@@ -424,32 +416,13 @@ def vm_hwm_bytes(pid: int) -> int | None:
     return None
 
 
-def time_wait_on_port(port: int) -> int:
-    """TIME_WAIT sockets whose local port is ``port`` (they make a plain bind fail)."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table, encoding="ascii") as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if parts[3] == "06" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                        count += 1
-        except OSError:
-            pass
-    return count
-
-
-def plain_bind(port: int) -> str:
-    """ "ok", or the errno name of a bind of 127.0.0.1:port without SO_REUSEADDR."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("127.0.0.1", port))
+def plain_bind_outcome(port: int) -> str:
+    """ "ok", or the errno name of a bind of 127.0.0.1:port without SO_REUSEADDR (what the
+    results record)."""
+    failure = plain_bind(port)
+    if failure is None:
         return "ok"
-    except OSError as exc:
-        return errno.errorcode.get(exc.errno or 0, str(exc))
-    finally:
-        s.close()
+    return errno.errorcode.get(failure.errno or 0, str(failure))
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -626,8 +599,8 @@ async def measure_sigterm(session: Session) -> dict[str, Any]:
         signalled = time.perf_counter()
         session.proc.send_signal(signal.SIGTERM)
         exit_s = await trio.to_thread.run_sync(_wait_exit, session.proc, signalled)
-        bind = plain_bind(session.port)  # at once: the streams may still be finishing their reads
-        time_wait = time_wait_on_port(session.port)
+        bind = plain_bind_outcome(session.port)  # at once: the streams may still be finishing their reads
+        time_wait = len(time_wait_on(session.port))
     streams = [
         {
             "well_formed": r.well_formed,
@@ -899,21 +872,17 @@ def end_of_generation_tokens(model_path: pathlib.Path) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=MEASURES)
-    parser.add_argument("--runs", type=int, default=4, help="runs per side, alternating ABBA (default 4)")
-    parser.add_argument("--model", help="GGUF file (default: the bundled default model)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = common.parser(
+        MEASURES,
+        tool=LLAMA_SERVER,
+        runs_default=4,
+        runs_help="runs per side, alternating ABBA",
+        retries_default=2,
+        max_foreign_help="wait for, and measure again after, other processes using more cores than this",
+    )
     parser.add_argument("--waves", type=int, default=2, help="throughput requests per stream (default 2)")
     parser.add_argument("--ttft-requests", type=int, default=8, help="TTFT requests per stream (default 8)")
     parser.add_argument("--conversations", type=int, default=3, help="two-turn chats per run (default 3)")
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.25,
-        help="wait for, and measure again after, other processes using more cores than this (default 0.25)",
-    )
-    parser.add_argument("--retries", type=int, default=2, help="most repeats of one measurement (default 2)")
-    parser.add_argument("--no-build", action="store_true", help=f"do not build {LLAMA_SERVER} when missing")
     args = parser.parse_args(argv)
     if min(args.runs, args.threads, args.waves, args.ttft_requests, args.conversations) < 1:
         parser.error("--runs, --threads, --waves, --ttft-requests and --conversations must be at least 1")

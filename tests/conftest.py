@@ -25,7 +25,7 @@ def model(model_path: pathlib.Path):
 @pytest.fixture(scope="module")
 def server():
     """One server for a test module: 4 sequences, small context, the default model."""
-    from tests.server_process import ServerProcess
+    from tests.support.process import ServerProcess
 
     with ServerProcess(["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]) as proc:
         proc.wait_ready()

@@ -11,7 +11,9 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import NO_END_TOKENS, ServerProcess
+from tests.support import sse
+from tests.support.process import NO_END_TOKENS, ServerProcess
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -24,24 +26,6 @@ def client(server: ServerProcess, key: str = "none") -> openai.OpenAI:
 def sdk(server: ServerProcess):
     with client(server) as c:
         yield c
-
-
-def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.02)
-
-
-def sse_events(raw: bytes) -> list[bytes]:
-    """Split an SSE body into its events, checking the framing as it goes."""
-    assert raw.endswith(b"\n\n")
-    events = raw[:-2].split(b"\n\n")
-    for event in events:
-        assert event.startswith((b"data: ", b": ")), event
-        assert b"\n" not in event
-    return events
 
 
 # -- the openai SDK ----------------------------------------------------------------------------
@@ -133,9 +117,9 @@ def test_raw_sse_stream(server: ServerProcess) -> None:
         assert response.headers["cache-control"] == "no-cache"
         assert response.headers["x-accel-buffering"] == "no"
         raw = response.read()
-    events = sse_events(raw)
-    assert events[-1] == b"data: [DONE]"
-    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    stream = sse.parse(raw, comments=False)
+    assert stream.events[-1] == b"data: [DONE]"
+    payloads = stream.chunks
     assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(p["object"] == "chat.completion.chunk" for p in payloads)
     assert len({(p["id"], p["created"], p["model"]) for p in payloads}) == 1
@@ -150,9 +134,9 @@ def test_raw_sse_without_usage_and_completion_shape(server: ServerProcess) -> No
     # Sampled (temperature 1): the end tokens are banned, or a draw of one would end it early.
     body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "logit_bias": NO_END_TOKENS}
     raw = httpx.post(server.url + "/v1/completions", json=body, timeout=120).content
-    events = sse_events(raw)
-    assert events[-1] == b"data: [DONE]"
-    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    stream = sse.parse(raw, comments=False)
+    assert stream.events[-1] == b"data: [DONE]"
+    payloads = stream.chunks
     assert all(p["object"] == "text_completion" and "usage" not in p for p in payloads)
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -172,7 +156,7 @@ def test_disconnect_mid_stream_stops_decoding(server: ServerProcess) -> None:
                 if got == 5:
                     break
     # the connection is closed here
-    wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, timeout=20)
+    wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, "the cancelled stream to end", 20)
     after = server.metrics()
     assert (
         after["llama_trio_cancellations_total{phase=generate}"]
@@ -198,13 +182,13 @@ def test_disconnect_while_queued_never_decodes() -> None:
 
         runner = threading.Thread(target=run_long)
         runner.start()
-        wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1)
+        wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1, "the long request to start", 20)
         queued = {"prompt": "A completely different prompt", "max_tokens": 50, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=queued, timeout=120) as response:
             assert response.status_code == 200
-            wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1)
+            wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1, "the stream to be queued", 20)
         runner.join(60)
-        wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0)
+        wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, "the engine to be idle", 20)
         m = server.metrics()
         assert m["llama_trio_cancellations_total{phase=queued}"] == 1
         usage = result["response"]["usage"]  # type: ignore[index]
@@ -303,9 +287,9 @@ def test_queue_full_is_503_with_retry_after() -> None:
         server.wait_ready()
         body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 200, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120):
-            wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1)
+            wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1, "the first stream to start", 20)
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120):
-                wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1)
+                wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1, "the second stream to be queued", 20)
                 response = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
                 assert_error(response, 503, code="overloaded")
                 assert response.headers["retry-after"] == "1"

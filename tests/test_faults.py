@@ -17,7 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_process import NO_END_TOKENS, ServerProcess
+from tests.support import sse
+from tests.support.process import NO_END_TOKENS, ServerProcess
+from tests.support.rawhttp import closed_by_peer, dechunk, request_bytes
+from tests.support.waiting import wait_for
 
 KEEP_ALIVE = 2.0
 WRITE_TIMEOUT = 4.0
@@ -43,36 +46,6 @@ def limited() -> Iterator[ServerProcess]:
     assert "Traceback" not in proc.log, proc.log[-5000:]
 
 
-def wait_for(predicate: Any, what: str, timeout: float) -> float:
-    """Wait until ``predicate()``; returns the seconds it took."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - started
-
-
-def request_bytes(path: str, body: dict[str, Any], extra: bytes = b"") -> bytes:
-    data = json.dumps(body).encode()
-    head = f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-    return head.encode() + extra + b"\r\n" + data
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """True once the server has closed ``sock`` (EOF or reset), reading what is left."""
-    sock.setblocking(False)
-    try:
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def server_sockets(pid: int) -> int:
     """Open sockets of a process (its listener included)."""
     count = 0
@@ -90,9 +63,8 @@ def stream_chat(url: str, max_tokens: int) -> list[dict[str, Any]]:
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         raw = response.read()
-    assert raw.endswith(b"data: [DONE]\n\n")
-    events = [json.loads(e[6:]) for e in raw[:-2].split(b"\n\n")[:-1] if e.startswith(b"data: ")]
-    assert sum(1 for e in events if e["choices"] and e["choices"][0]["finish_reason"]) == 1
+    events = sse.parse(raw).chunks
+    assert len(sse.finish_reasons(events)) == 1
     return events
 
 
@@ -110,7 +82,7 @@ def small_window_stream(port: int, max_tokens: int) -> socket.socket:
         "stream": True,
         "logit_bias": NO_END_TOKENS,
     }
-    sock.sendall(request_bytes("/v1/chat/completions", body))
+    sock.sendall(request_bytes("POST", "/v1/chat/completions", body))
     return sock
 
 
@@ -124,7 +96,7 @@ def test_client_that_stops_reading_is_cut_and_stalls_no_one(limited: ServerProce
         paused_at = time.monotonic()
         # Another stream runs to its end meanwhile.
         events = stream_chat(limited.url, 12)
-        assert sum(1 for e in events if e["choices"] and e["choices"][0]["delta"].get("content")) >= 1
+        assert sum(1 for e in events if sse.chunk_text(e)) >= 1
         # The stalled connection is cut after the write timeout; its sequence and cells are freed.
         wait_for(
             lambda: limited.metrics()["llama_trio_active_sequences"] == 0,
@@ -142,21 +114,6 @@ def test_client_that_stops_reading_is_cut_and_stalls_no_one(limited: ServerProce
         wait_for(lambda: closed_by_peer(stalled), "the stalled socket to be closed", 10)
     finally:
         stalled.close()
-
-
-def dechunk(body: bytes) -> bytes:
-    """The payload of a complete chunked HTTP/1.1 body; fails on any framing error."""
-    out = bytearray()
-    while True:
-        size_line, sep, body = body.partition(b"\r\n")
-        assert sep, "truncated chunk size line"
-        size = int(size_line, 16)
-        if size == 0:
-            assert body == b"\r\n", "bytes after the last chunk"
-            return bytes(out)
-        assert body[size : size + 2] == b"\r\n", "chunk not followed by CRLF"
-        out += body[:size]
-        body = body[size + 2 :]
 
 
 def test_slow_reader_gets_every_byte_of_a_stream_whose_writes_blocked(limited: ServerProcess) -> None:
@@ -178,12 +135,9 @@ def test_slow_reader_gets_every_byte_of_a_stream_whose_writes_blocked(limited: S
         slow.close()
     head, _, chunked = bytes(raw).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
-    stream = dechunk(chunked)
-    assert stream.endswith(b"data: [DONE]\n\n")
-    events = [json.loads(e[6:]) for e in stream[:-2].split(b"\n\n")[:-1]]
-    contents = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
-    finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
-    assert finishes == ["length"]
+    events = sse.parse(dechunk(chunked), comments=False).chunks
+    contents = [e for e in events if sse.chunk_text(e)]
+    assert sse.finish_reasons(events) == ["length"]
     assert len(contents) >= max_tokens * 0.9  # a piece per token, but for ones held back by the detokenizer
     assert limited.metrics()["llama_trio_active_sequences"] == 0
 
@@ -264,10 +218,7 @@ def test_head_over_max_header_size_is_431(limited: ServerProcess) -> None:
 def test_slow_body_is_408_after_read_timeout(limited: ServerProcess) -> None:
     with socket.create_connection(("127.0.0.1", limited.port)) as sock:
         started = time.monotonic()
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            b'Content-Length: 100\r\n\r\n{"prompt": '
-        )
+        sock.sendall(request_bytes("POST", "/v1/completions", b'{"prompt": ', content_length=100))
         sock.settimeout(READ_TIMEOUT + SLACK + 5)
         raw = b""
         while b"\r\n\r\n" not in raw or not raw.endswith(b"}}"):
@@ -297,7 +248,7 @@ def test_oversized_body_closes_the_connection_and_the_next_request_is_served(lim
             assert small.status_code == 400
     # Over a raw socket, with only part of the body sent: answered, then closed.
     with socket.create_connection(("127.0.0.1", limited.port)) as sock:
-        sock.sendall(request_bytes("/v1/completions", {"prompt": "x" * 5_000_000})[:100_000])
+        sock.sendall(request_bytes("POST", "/v1/completions", {"prompt": "x" * 5_000_000})[:100_000])
         sock.settimeout(10)
         assert sock.recv(100).startswith(b"HTTP/1.1 413")
         wait_for(lambda: closed_by_peer(sock), "the connection to close", 5)
@@ -336,37 +287,36 @@ def test_pings_go_to_a_silent_stream_only() -> None:
         queued.join(120)
         assert server.stop() == 0
     assert "Traceback" not in server.log, server.log[-5000:]
-    for name in ("running", "queued"):
-        assert raw[name].endswith(b"data: [DONE]\n\n"), name
-    running_events = raw["running"].split(b"\n\n")
-    first_text = next(i for i, e in enumerate(running_events) if e.startswith(b"data: {") and _content(e))
+    running_events = sse.split_events(raw["running"])
+    first_text = next(i for i, e in enumerate(running_events) if _content(e))
     assert b": ping" not in running_events[first_text:]
-    assert sum(1 for e in running_events if e.startswith(b"data: {")) >= 200
-    queued_events = raw["queued"].split(b"\n\n")
+    assert sum(1 for e in running_events if sse.event_json(e) is not None) >= 200
+    queued_events = sse.split_events(raw["queued"])
     pings = queued_events.count(b": ping")
     assert pings >= 2, raw["queued"][:500]
-    first_text = next(i for i, e in enumerate(queued_events) if e.startswith(b"data: {") and _content(e))
+    first_text = next(i for i, e in enumerate(queued_events) if _content(e))
     assert queued_events.index(b": ping") < first_text  # the pings came while it waited
 
 
 def _content(event: bytes) -> str:
-    choices = json.loads(event[6:])["choices"]
-    return str(choices[0]["delta"].get("content") or "") if choices else ""
+    """The text of a chunk event; "" for any other event (an error event fails)."""
+    payload = sse.event_json(event)
+    assert payload is None or "error" not in payload, payload
+    return sse.chunk_text(payload) if payload is not None else ""
 
 
 def test_http_1_0_stream_is_delimited_by_close(limited: ServerProcess) -> None:
     """An HTTP/1.0 client gets the stream unchunked, ended by the server's close (h11 frames it;
     the direct chunk writes stay out of it)."""
-    body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 24, "stream": True, "logit_bias": NO_END_TOKENS})
-    head = f"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 24, "stream": True, "logit_bias": NO_END_TOKENS}
+    request = request_bytes("POST", "/v1/completions", body, host=None, version="HTTP/1.0")
     with socket.create_connection(("127.0.0.1", limited.port), timeout=60) as sock:
-        sock.sendall(head.encode() + body.encode())
+        sock.sendall(request)
         raw = bytearray()
         while data := sock.recv(65536):
             raw += data
     head_bytes, _, stream = bytes(raw).partition(b"\r\n\r\n")
     assert head_bytes.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head_bytes.lower()
-    assert stream.endswith(b"data: [DONE]\n\n")
-    events = [json.loads(e[6:]) for e in stream[:-2].split(b"\n\n")[:-1]]
-    assert sum(1 for e in events if e["choices"] and e["choices"][0]["text"]) >= 20
+    events = sse.parse(stream, comments=False).chunks
+    assert sum(1 for e in events if sse.chunk_text(e)) >= 20
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"

@@ -19,13 +19,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
-from tests.server_process import NO_END_TOKENS, ServerProcess
+from tests.support import sse
+from tests.support.ports import free_port, plain_bind, time_wait_on
+from tests.support.process import NO_END_TOKENS, ServerProcess
+from tests.support.rawhttp import http_get
+from tests.support.waiting import wait_for
 
 SHUTTING_DOWN = {
     "message": "server is shutting down",
@@ -53,14 +57,6 @@ def chat_body(max_tokens: int, *, stream: bool = True, endless: bool = True) -> 
     if endless:
         body["logit_bias"] = NO_END_TOKENS
     return body
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = GUARD) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- clients ----------------------------------------------------------------------------------
@@ -91,10 +87,10 @@ class CurlStream:
         with self.proc.stdout:
             for line in self.proc.stdout:
                 self.raw.append(line)
-                if line.startswith("data: "):
-                    payload = line[6:].rstrip("\n")
+                payload = sse.data_of(line)
+                if payload is not None:
                     self.events.append((time.monotonic(), payload))
-                    if _text(payload):
+                    if sse.chunk_text(payload):
                         self.first_text.set()
         self.ended_at = time.monotonic()
         self.first_text.set()  # no waiter hangs on a stream that ended without text
@@ -108,26 +104,13 @@ class CurlStream:
         return [payload for _, payload in self.events]
 
     def texts_after(self, moment: float) -> int:
-        return sum(1 for at, payload in self.events if at > moment and _text(payload))
+        return sum(1 for at, payload in self.events if at > moment and sse.chunk_text(payload))
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
         self._reader.join(GUARD)
-
-
-def _text(payload: str) -> bool:
-    if payload == "[DONE]":
-        return False
-    choices = json.loads(payload).get("choices") or [{}]
-    return bool(choices[0].get("delta", {}).get("content"))
-
-
-def _finish_reason(payload: str) -> str | None:
-    choices = json.loads(payload).get("choices") or [{}]
-    reason = choices[0].get("finish_reason")
-    return None if reason is None else str(reason)
 
 
 def assert_ended_by_shutdown(stream: CurlStream) -> None:
@@ -137,7 +120,7 @@ def assert_ended_by_shutdown(stream: CurlStream) -> None:
     payloads = stream.payloads()
     assert payloads[-1] == "[DONE]", payloads[-3:]
     assert json.loads(payloads[-2]) == {"error": SHUTTING_DOWN}, payloads[-3:]
-    assert not any(_finish_reason(p) for p in payloads[:-1]), "a drained stream has no finish_reason"
+    assert not any(sse.finish_reason(p) for p in payloads[:-1]), "a drained stream has no finish_reason"
     assert "".join(stream.raw).endswith("data: [DONE]\n\n")
 
 
@@ -168,9 +151,10 @@ class HttpxStream(threading.Thread):
             with httpx.stream("POST", self.url + "/v1/chat/completions", json=self.body, timeout=GUARD) as response:
                 assert response.status_code == 200
                 for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append((time.monotonic(), line[6:]))
-                        if _text(line[6:]):
+                    payload = sse.data_of(line)
+                    if payload is not None:
+                        self.events.append((time.monotonic(), payload))
+                        if sse.chunk_text(payload):
                             self.first_text.set()
         except BaseException as exc:  # reported by the test
             self.error = exc
@@ -221,49 +205,6 @@ def _readlink(path: str) -> str:
         return ""
 
 
-def http_get(sock: socket.socket, path: str) -> tuple[int, bytes]:
-    """One keep-alive GET on an open connection; the response's status and body."""
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed mid-response: {data!r}"
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-    length = int(headers["content-length"])
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed mid-body"
-        body += chunk
-    return int(lines[0].split()[1]), body
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def time_wait_on(port: int) -> list[str]:
-    """Sockets in TIME-WAIT whose local port is ``port`` (the server's side)."""
-    out = subprocess.run(
-        ["ss", "-Htan", "state", "time-wait", f"( sport = :{port} )"], capture_output=True, text=True, check=True
-    ).stdout
-    return [line for line in out.splitlines() if line.strip()]
-
-
-def plain_bind(port: int) -> OSError | None:
-    """Bind ``127.0.0.1:port`` without SO_REUSEADDR; the error, or None when it worked."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as exc:
-            return exc
-    return None
-
-
 # -- 1. socket options --------------------------------------------------------------------------
 
 
@@ -295,7 +236,7 @@ def test_restart_on_the_same_port_right_after_sigint() -> None:
             stream = CurlStream(old.url, chat_body(8, endless=False))
             assert stream.finish() == 0
             assert stream.payloads()[-1] == "[DONE]"
-            assert _finish_reason(stream.payloads()[-2]) in {"stop", "length"}
+            assert sse.finish_reason(stream.payloads()[-2]) in {"stop", "length"}
             old.send_signal(signal.SIGINT)
             new = server("--parallel", "1", "--ctx-size", "512", port=port)  # at once, not after the exit
             try:
@@ -330,9 +271,11 @@ def test_sigterm_lets_streams_finish_and_refuses_new_connections() -> None:
             assert stream.error is None, repr(stream.error)
             payloads = [payload for _, payload in stream.events]
             assert payloads[-1] == "[DONE]"
-            assert _finish_reason(payloads[-2]) == "length"
+            assert sse.finish_reason(payloads[-2]) == "length"
             assert not any("error" in json.loads(p) for p in payloads[:-1])
-            assert sum(1 for at, p in stream.events if at > signalled and _text(p)) > 0, "finished before the signal"
+            assert sum(1 for at, p in stream.events if at > signalled and sse.chunk_text(p)) > 0, (
+                "finished before the signal"
+            )
         assert proc.wait(GUARD) == 0, proc.log
 
 
@@ -400,7 +343,7 @@ def test_queued_requests_end_at_sigterm_without_decoding() -> None:
             waiter = threading.Thread(target=non_streamed, daemon=True)
             waiter.start()
             try:
-                wait_for(lambda: proc.metrics().get("llama_trio_queue_depth") == 2, "two queued requests")
+                wait_for(lambda: proc.metrics().get("llama_trio_queue_depth") == 2, "two queued requests", GUARD)
                 signalled = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
 
@@ -541,6 +484,6 @@ def test_hypercorn_cli_serves_a_stream_and_exits_on_sigterm() -> None:
         assert stream.finish() == 0
         payloads = stream.payloads()
         assert payloads[-1] == "[DONE]"
-        assert _finish_reason(payloads[-2]) in {"stop", "length"}
-        assert sum(1 for p in payloads if _text(p)) > 0
+        assert sse.finish_reason(payloads[-2]) in {"stop", "length"}
+        assert sum(1 for p in payloads if sse.chunk_text(p)) > 0
         assert proc.stop(signal.SIGTERM) == 0, proc.log

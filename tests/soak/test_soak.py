@@ -25,7 +25,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_process import NO_END_TOKENS, ServerProcess
+from tests.support import sse
+from tests.support.process import NO_END_TOKENS, ServerProcess
+from tests.support.rawhttp import request_bytes
 
 CLIENTS = 32
 # Up to this many generated tokens per request (the server's --max-tokens ceiling too).
@@ -133,12 +135,6 @@ def path_of(chat: bool) -> str:
     return "/v1/chat/completions" if chat else "/v1/completions"
 
 
-def raw_request(path: str, payload: bytes, *, content_length: int | None = None) -> bytes:
-    length = len(payload) if content_length is None else content_length
-    head = f"POST {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
-    return head.encode() + payload
-
-
 def check_completion(body: dict[str, Any], request: dict[str, Any], chat: bool) -> None:
     assert body["object"] == ("chat.completion" if chat else "text_completion"), body
     [choice] = body["choices"]
@@ -150,36 +146,16 @@ def check_completion(body: dict[str, Any], request: dict[str, Any], chat: bool) 
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
-def parse_stream(raw: bytes, chat: bool) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """A whole SSE body: its chunks, and the error event if it ended with one."""
-    assert raw.endswith(b"data: [DONE]\n\n"), raw[-300:]
-    chunks: list[dict[str, Any]] = []
-    error = None
-    events = raw[:-2].split(b"\n\n")
-    for i, event in enumerate(events[:-1]):
-        if event.startswith(b": "):
-            continue
-        assert event.startswith(b"data: ") and b"\n" not in event, event
-        payload = json.loads(event[6:])
-        if "error" in payload:
-            assert i == len(events) - 2, "an error event must come right before [DONE]"
-            assert set(payload["error"]) == {"message", "type", "param", "code"}
-            error = payload["error"]
-            continue
-        assert payload["object"] == ("chat.completion.chunk" if chat else "text_completion"), payload
-        chunks.append(payload)
-    return chunks, error
-
-
 def check_stream(raw: bytes, request: dict[str, Any], chat: bool, *, allow_shutdown: bool = False) -> str:
     """A complete stream: one finish_reason, usage when asked; returns how it ended."""
-    chunks, error = parse_stream(raw, chat)
+    stream = sse.parse(raw, errors=True, kind="chat" if chat else "completion")
+    chunks, error = stream.chunks, stream.error
     if error is not None:
         assert allow_shutdown and error["code"] == SHUTTING_DOWN, error
         return "ended by shutdown"
     if chat:
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, chunks[0]
-    finishes = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    finishes = [c for c in chunks if sse.finish_reason(c)]
     assert len(finishes) == 1, chunks[-3:]
     if request.get("stream_options", {}).get("include_usage"):
         usage = chunks[-1]["usage"]
@@ -284,7 +260,8 @@ class Client:
         if rng.random() < 0.2:  # a body cut short: promised, never sent; then gone
             self.tally.add("kinds", "cut-short body")
             with socket.create_connection(("127.0.0.1", self.port), timeout=10) as sock:
-                sock.sendall(raw_request(path_of(chat), payload[: len(payload) // 2], content_length=len(payload) + 10))
+                cut = payload[: len(payload) // 2]
+                sock.sendall(request_bytes("POST", path_of(chat), cut, content_length=len(payload) + 10, host="soak"))
                 time.sleep(rng.uniform(0, 0.2))
             return
         self.tally.add("kinds", "malformed")
@@ -313,7 +290,7 @@ class Client:
         self.tally.add("abandoned", when)
         if when in {"after sending", "after a short wait", "in a long prefill"}:
             with socket.create_connection(("127.0.0.1", self.port), timeout=10) as sock:
-                sock.sendall(raw_request(path_of(chat), json.dumps(body).encode()))
+                sock.sendall(request_bytes("POST", path_of(chat), body, host="soak"))
                 if when == "after a short wait":
                     time.sleep(rng.uniform(0.02, 1.0))
                 elif when == "in a long prefill":

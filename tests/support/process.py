@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The repository root: the server runs from there, as ``python -m server``.
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"listening on http://(\S+):(\d+)")
 # SmolLM2's <|endoftext|>, <|im_start|> and <|im_end|> as a logit_bias that bans them: a stream
 # runs to max_tokens.
