@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from server.sse import DONE, PING, ChunkFramer, error_event, event
+from server.api.sse import DONE, PING, ChunkFramer, error_event, event
 from tests.support import sse
 
 ID = "chatcmpl-abc123"
