@@ -36,6 +36,7 @@ re-arms the sink, so backpressure (the sequence pauses) and the write timeout wo
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable
 
 import h11
@@ -47,7 +48,7 @@ from server.api import sse
 from server.api.prepare import Prepared
 from server.api.trace import Trace, usage_payload
 from server.engine import Engine, EngineError, Piece, PieceSink
-from server.net.connection import current_connection
+from server.net.connection import Connection, current_connection
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -61,13 +62,35 @@ def streamed_response(
     return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
 
 
+# A stream whose client has ended its input (half-close, or gone) is probed with a ping this
+# often while nothing else is written: a client that is gone answers the write with a reset,
+# and the next write fails, which ends the stream and frees its sequence.
+PROBE_INTERVAL = 0.1
+
+
+class _Probe:
+    """Whether to probe the client, and the wait to cut short when that starts."""
+
+    __slots__ = ("active", "scope")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.scope: trio.CancelScope | None = None
+
+    def start(self) -> None:
+        self.active = True
+        if self.scope is not None:
+            self.scope.deadline = -math.inf
+
+
 async def _sse_body(
     engine: Engine, prepared: Prepared, framer: sse.ChunkFramer, trace: Trace, ping_interval: float
 ) -> AsyncIterator[bytes]:
     """The SSE body. Leaving it for any reason (done, error, the client gone) releases the
     job; it always ends with ``[DONE]`` when it ends by itself. After ``ping_interval`` seconds
     without a write (queued, a long prompt) a comment line goes out, which keeps proxies and
-    clients from timing the stream out.
+    clients from timing the stream out; every ``PROBE_INTERVAL`` once the client has ended its
+    input.
 
     Text pieces are written by the engine task straight to the socket while that is possible;
     this generator wakes for the rest: the end, errors, pings, and pieces the socket could not
@@ -76,23 +99,31 @@ async def _sse_body(
     *Cancellation*: Quart-Trio cancels the task iterating this body when the client goes
     away; the ``submit`` block is left and the engine frees the sequence before its next step.
     """
+    connection = current_connection.get()
+    probe = _Probe()
+    if connection is not None:
+        connection.on_peer_closed(probe.start)
     try:
         if prepared.chat:
             yield framer.role()
         try:
             async with engine.submit(prepared.job) as pieces:
-                sink = _direct_sink(framer, trace)
+                sink = _direct_sink(connection, framer, trace)
                 trace.written = trio.current_time()
                 while True:
                     if sink is not None:
                         pieces.deliver_directly(sink)  # everything taken so far is written
-                    with trio.move_on_at(trace.written + ping_interval) as waited:
+                    interval = PROBE_INTERVAL if probe.active else ping_interval
+                    with trio.move_on_at(trace.written + interval) as waited:
+                        probe.scope = waited
                         try:
                             piece = await pieces.__anext__()
                         except StopAsyncIteration:
                             break
+                        finally:
+                            probe.scope = None
                     if waited.cancelled_caught:
-                        if trio.current_time() >= trace.written + ping_interval:  # silent that long
+                        if trio.current_time() >= trace.written + interval:  # silent that long
                             trace.written = trio.current_time()
                             yield sse.PING
                         continue
@@ -110,15 +141,17 @@ async def _sse_body(
             yield sse.error_event(str(exc), type_, exc.code)
         yield sse.DONE
     finally:
+        if connection is not None:
+            connection.on_peer_closed(None)
         trace.log()
 
 
-def _direct_sink(framer: sse.ChunkFramer, trace: Trace) -> PieceSink | None:
+def _direct_sink(connection: Connection | None, framer: sse.ChunkFramer, trace: Trace) -> PieceSink | None:
     """The sink the engine task calls with each piece of this stream: frame it as an SSE event
     in an HTTP/1.1 chunk and write it without waiting (True), or refuse (False: the socket
     would block or is gone, or it is the last piece, which the body sends with the finish and
     usage events). None where the response cannot be written directly."""
-    write = _chunk_writer()
+    write = _chunk_writer(connection)
     if write is None:
         return None
 
@@ -132,11 +165,10 @@ def _direct_sink(framer: sse.ChunkFramer, trace: Trace) -> PieceSink | None:
     return sink
 
 
-def _chunk_writer() -> Callable[[bytes], bool] | None:
+def _chunk_writer(connection: Connection | None) -> Callable[[bytes], bool] | None:
     """A function that writes one chunk of the response being sent now straight to the
     socket, or refuses (False); None when that response is not a chunked HTTP/1.1 body on one
     of our own connections (invariants 1 and 5 above)."""
-    connection = current_connection.get()
     if connection is None or not connection.writes_nowait:  # e.g. under the hypercorn CLI
         return None
     protocol = connection.protocol.protocol  # Hypercorn's ProtocolWrapper -> H11Protocol

@@ -16,7 +16,20 @@ non-blocking ``send`` first; only what is left takes trio's guarded path.
 
 During a drain, a connection whose last response is done waits a moment for its client to
 close first (``CLOSE_LINGER``): the side that closes first keeps the TIME_WAIT, and one on the
-server's port makes a plain ``bind`` of that port fail after we exit.
+server's port makes a plain ``bind`` of that port fail after we exit. A connection closed right
+after an answer lingers (``LINGER_*``): what the client still sends is discarded until it
+closes, so that it reads the answer rather than a reset.
+
+HTTP/1.1 only. Hypercorn would switch a cleartext connection to HTTP/2 (the ``PRI`` preface,
+or ``Upgrade: h2c``), where its flow-control waits have no deadline: a client with a zero
+window would hold the connection, and its slot of ``max_connections``, for ever. Here an
+``Upgrade: h2c`` is ignored (the request is answered in HTTP/1.1, as RFC 9110 7.8 allows) and
+the HTTP/2 preface is answered with a GOAWAY (HTTP_1_1_REQUIRED) and the connection closed.
+
+A client that closes its sending side after its request (a half-close: ``nc -N``, some
+proxies) still gets its answer: the end of its input does not end a request in progress.
+``on_peer_closed`` tells the response in progress; a streamed one then probes the client with
+pings, since only a write tells a client that is gone from one that only stopped sending.
 
 ``current_connection`` names the connection to the tasks that serve its requests; a streamed
 response uses ``write_nowait`` to write its chunks straight to the socket (the framing, and why
@@ -25,22 +38,53 @@ it is safe, are in ``server/api/streaming.py``). This module frames nothing: it 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
 import os
 import socket
+from collections.abc import Callable
 
+import h2.config
+import h2.connection
+import h2.errors
+import h11
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
 logger = logging.getLogger(__name__)
 
-# While draining, how long a connection that is done waits for its client to close first, and
-# how often it looks (a peek at the socket: Hypercorn's read loop owns the waiting on it).
+# While draining, how long a connection that is done waits for its client to close first.
 CLOSE_LINGER = 0.5
-CLOSE_LINGER_POLL = 0.01
+# Lingering close (as nginx's): after an answer on a connection we then close (413, 408, 431,
+# Connection: close), what the client still sends is read and thrown away until it closes its
+# side, so that it gets to read the answer instead of a reset. Bounded: it ends when nothing
+# arrives for LINGER_IDLE seconds, after LINGER_TOTAL seconds, or after LINGER_BYTES bytes.
+LINGER_IDLE = 0.5
+LINGER_TOTAL = 5.0
+LINGER_BYTES = 8 * 1024 * 1024
+MAX_RECV = 64 * 1024
+
+
+def _http2_refusal() -> bytes:
+    """What a client that opens with HTTP/2's preface gets: our SETTINGS and a GOAWAY with
+    HTTP_1_1_REQUIRED (RFC 9113 7), the protocol's own way to say "use HTTP/1.1"."""
+    h2_connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    h2_connection.initiate_connection()
+    message = b"this server speaks HTTP/1.1 only"
+    h2_connection.close_connection(error_code=h2.errors.ErrorCodes.HTTP_1_1_REQUIRED, additional_data=message)
+    return h2_connection.data_to_send()
+
+
+HTTP2_REFUSAL = _http2_refusal()
+
+
+class _HTTP2Refused(Exception):
+    """Raised through Hypercorn's protocol when a client starts HTTP/2 with prior knowledge."""
+
 
 # Set in each connection's task; the tasks Hypercorn starts for its requests inherit it.
 current_connection: contextvars.ContextVar[Connection | None] = contextvars.ContextVar(
@@ -68,6 +112,10 @@ class Connection(TCPServer):
         # The tail of a ``write_nowait`` that did not fit in the socket's buffer;
         # it goes out first with the next write of any kind.
         self._owed = b""
+        self._closing = False
+        self._wrote_since_idle = False  # an answer (or part of one) went out since the last idle
+        self._peer_closed = False  # the client sent its end of input (FIN)
+        self._on_peer_closed: Callable[[], None] | None = None
 
     async def serve(self) -> None:
         current_connection.set(self)
@@ -104,6 +152,8 @@ class Connection(TCPServer):
             # State first, without a checkpoint: the caller may be a request task that is
             # cancelled at its next checkpoint.
             self._idle_since = trio.current_time() if event.idle else None
+            if event.idle:
+                self._wrote_since_idle = False
             self._wake.set()
             # Hypercorn's own timer guards only the first request head (started in run()).
             await self.idle_task.stop()
@@ -117,33 +167,92 @@ class Connection(TCPServer):
         # request on it then hung). Once closed, nothing here has more to do: the read loop may
         # be stuck handing body data to an app that is gone, so the connection's tasks end too.
         with trio.CancelScope(shield=True):
-            if self._draining:
-                await self._let_client_close_first()
+            if not self._closing:
+                self._closing = True
+                if self._draining:
+                    await self._wait_for_client_close(min(trio.current_time() + CLOSE_LINGER, self._hard_deadline))
+                if self._wrote_since_idle:
+                    await self._linger()
             await super()._close()
         if self._scope is not None:
             self._scope.cancel()
 
-    async def _let_client_close_first(self) -> None:
-        """Wait until the client has closed its side (or sent more), at most ``CLOSE_LINGER``
-        and never past the drain's end."""
+    async def _linger(self) -> None:
+        """Close our sending side, then discard what the client still sends until it closes
+        its own (bounded by ``LINGER_*`` and the drain's end)."""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            await self.stream.send_eof()
+        deadline = min(trio.current_time() + LINGER_TOTAL, self._hard_deadline)
+        await self._wait_for_client_close(deadline, discard=LINGER_BYTES)
+
+    async def _wait_for_client_close(self, deadline: float, *, discard: int = 0) -> None:
+        """Wait until the client has closed its side, at most until ``deadline``. With
+        ``discard``, up to that many bytes it sends meanwhile are read and dropped, and a pause
+        of ``LINGER_IDLE`` ends the wait; without, any byte ends it (it is not ours to read)."""
         fd = self._socket.fileno() if self._socket is not None else -1
         if fd < 0:
             return
-        deadline = min(trio.current_time() + CLOSE_LINGER, self._hard_deadline)
         try:
-            duplicate = os.dup(fd)  # a socket object of our own to peek with
+            duplicate = os.dup(fd)  # a socket object of our own: Hypercorn's reader has the other
         except OSError:  # out of descriptors: close without waiting
             return
-        with socket.socket(fileno=duplicate) as peek:
-            while trio.current_time() < deadline:
+        with socket.socket(fileno=duplicate) as sock:
+            quiet_until = trio.current_time() + LINGER_IDLE if discard else math.inf
+            while True:
                 try:
-                    peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    data = sock.recv(
+                        MAX_RECV if discard else 1, socket.MSG_DONTWAIT | (0 if discard else socket.MSG_PEEK)
+                    )
                 except BlockingIOError:  # nothing yet
-                    await trio.sleep(CLOSE_LINGER_POLL)
+                    with trio.move_on_at(min(deadline, quiet_until)):
+                        await trio.lowlevel.wait_readable(sock)
+                    if trio.current_time() >= min(deadline, quiet_until):
+                        return
                     continue
-                except OSError:
-                    pass
-                return  # their end (b""), or bytes we will not read: close now
+                except OSError:  # reset: nothing more will come
+                    return
+                if not data or not discard:
+                    return  # their end, or (peeking) bytes we will not read
+                discard -= len(data)
+                if discard <= 0:
+                    return
+                quiet_until = trio.current_time() + LINGER_IDLE
+
+    async def _read_data(self) -> None:
+        """Hypercorn's read loop, with three differences: HTTP/2 is refused (see the module's
+        docstring); the end of the client's input does not end a request in progress
+        (half-close); and once the connection is closing, what arrives is not parsed."""
+        protocol = self.protocol.protocol
+        if isinstance(protocol, H11Protocol):
+            # Hypercorn decides on HTTP/2 in this method of its HTTP/1.1 protocol; ours says no.
+            protocol._check_protocol = self._check_protocol  # type: ignore[method-assign]
+        try:
+            while not self._closing:
+                try:
+                    data = bytes(await self.stream.receive_some(MAX_RECV))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    break
+                if self._closing:
+                    break
+                await self.protocol.handle(RawData(data))
+                if not data:
+                    self._peer_closed = True
+                    if self._on_peer_closed is not None:
+                        self._on_peer_closed()
+                    if self._idle_since is None:
+                        # A request is in progress: it is answered, then the protocol closes
+                        # the connection (the client can send no next request).
+                        return
+                    break
+        except _HTTP2Refused:
+            await self._write(HTTP2_REFUSAL)
+            logger.info("refused an HTTP/2 connection (this server speaks HTTP/1.1 only)")
+        await self.protocol.handle(Closed())
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if event.method == b"PRI" and event.http_version == b"2.0":
+            raise _HTTP2Refused
+        # Anything else, Upgrade: h2c included, is served as the HTTP/1.1 request it is.
 
     async def _watch_idle(self) -> None:
         while True:
@@ -162,6 +271,13 @@ class Connection(TCPServer):
                         await self._initiate_server_close()
                     return
             self._wake = trio.Event()
+
+    def on_peer_closed(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` (synchronously, once) when the client ends its input, or now if it
+        has; None forgets it. One at a time: the response in progress sets it."""
+        self._on_peer_closed = callback
+        if callback is not None and self._peer_closed:
+            callback()
 
     @property
     def writes_nowait(self) -> bool:
@@ -189,6 +305,7 @@ class Connection(TCPServer):
         return True
 
     async def _write(self, data: bytes) -> None:
+        self._wrote_since_idle = True
         if self._owed:  # the tail of a direct write goes first
             data, self._owed = self._owed + data, b""
         # The descriptor is asked for at each write: it is -1 once the socket is closed, so a
