@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import re
 from typing import TYPE_CHECKING, Any
 
 from ffi._lib import ffi, lib
@@ -14,6 +15,9 @@ if TYPE_CHECKING:
     from ffi.model import Model
 
 _INT32_MIN = -(2**31)
+# llama_token_attr bits of control tokens that eat the whitespace beside them when parsed.
+_LSTRIP = 1 << 7
+_RSTRIP = 1 << 8
 
 
 class Vocab:
@@ -32,6 +36,8 @@ class Vocab:
         self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(ptr))
         self._pieces: dict[int, bytes] = {}
         self._eog: frozenset[int] | None = None
+        self._control: re.Pattern[str] | None = None
+        self._controls: dict[str, tuple[int, bool, bool]] = {}
 
     def _detach(self) -> None:
         self._ptr = None
@@ -98,6 +104,38 @@ class Vocab:
             ptr = self.ptr
             self._eog = frozenset(t for t in range(self.n_tokens) if lib.llama_vocab_is_eog(ptr, t))
         return self._eog
+
+    @property
+    def control_pattern(self) -> re.Pattern[str]:
+        """A regex that finds the text of any token that ``tokenize(..., parse_special=True)``
+        turns into a control token and ``parse_special=False`` would not (llama.cpp's CONTROL
+        and UNKNOWN tokens, e.g. ``<|im_start|>``), longest first; see ``control_tokens``."""
+        if self._control is None:
+            self._find_controls()
+        assert self._control is not None
+        return self._control
+
+    @property
+    def control_tokens(self) -> dict[str, tuple[int, bool, bool]]:
+        """Control-token text -> (token, strips whitespace on its left, on its right)."""
+        if self._control is None:
+            self._find_controls()
+        return self._controls
+
+    def _find_controls(self) -> None:
+        # Once per vocabulary: one C call per entry.
+        ptr = self.ptr
+        special = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
+        controls: dict[str, tuple[int, bool, bool]] = {}
+        for token in range(self.n_tokens):
+            attr = lib.llama_vocab_get_attr(ptr, token)
+            text = self.text(token) if attr & special else ""
+            if text and text not in controls:
+                controls[text] = (token, bool(attr & _LSTRIP), bool(attr & _RSTRIP))
+        # Longest first, so that a text that begins another one never hides it.
+        alternatives = "|".join(re.escape(t) for t in sorted(controls, key=len, reverse=True))
+        self._controls = controls
+        self._control = re.compile(alternatives or r"(?!)")
 
     def is_control(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_control(self.ptr, token))

@@ -9,11 +9,13 @@ releases the sequence.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
+import re
 
-from quart import Response, request
+from quart import Response, g, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -26,9 +28,17 @@ from server.state import ServerState
 
 logger = logging.getLogger("llama_trio.access")
 
+# CORS: what a preflight allows when it names no headers, and the shape of a header list we
+# reflect (header names as RFC 9110 tokens, comma-separated; anything else gets the default).
+CORS_DEFAULT_HEADERS = "Authorization, Content-Type, X-Api-Key"
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_MAX_AGE = "600"
+_HEADER_LIST = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+(?:[ \t]*,[ \t]*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")
+MAX_CORS_HEADER_LIST = 2048
+
 
 def create_app(settings: Settings | None = None, *, state: ServerState | None = None) -> QuartTrio:
-    """The app. With ``state``, the caller (``server.lifecycle``) runs the engine; without, the
+    """The app. With ``state``, the caller (``server.net.lifecycle``) runs the engine; without, the
     app loads the model and runs the engine in its own lifespan (the hypercorn CLI launch)."""
     owns_engine = state is None
     if state is None:
@@ -68,6 +78,21 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
         return None
 
     @app.before_request
+    async def refuse_ambiguous_length() -> Response | None:
+        # RFC 9112 6.1: a message with both may be an attempt at request smuggling; it is
+        # answered and the connection closed, so nothing sent after it is read as a request.
+        headers = request.headers
+        if "Content-Length" in headers and "Transfer-Encoding" in headers:
+            message = "a request may not have both Content-Length and Transfer-Encoding"
+            return ApiError(400, message, code="invalid_request", headers={"Connection": "close"}).response()
+        return None
+
+    @app.before_websocket
+    async def refuse_websocket() -> Response:
+        message = 'WebSocket is not served; stream a completion with POST and "stream": true (Server-Sent Events)'
+        return ApiError(400, message, code="unsupported_protocol").response()
+
+    @app.before_request
     async def authenticate() -> Response | None:
         if not api_keys or request.path == "/health" or request.method == "OPTIONS":
             return None
@@ -80,16 +105,28 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
         if not ok:
             message = "invalid API key" if given else "missing API key (Authorization: Bearer <key>)"
             return ApiError(401, message, type_="authentication_error", code="invalid_api_key").response()
+        # Each key is its own tenant for the prefix cache (prepare.cache_scope).
+        g.tenant = hashlib.sha256(given_bytes).hexdigest()
         return None
 
     @app.after_request
     async def finish(response: Response) -> Response:
-        origin = request.headers.get("Origin")
-        if cors and origin and ("*" in cors or origin in cors):
-            response.headers["Access-Control-Allow-Origin"] = "*" if "*" in cors else origin
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type, X-Api-Key"
-            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-            response.headers["Vary"] = "Origin"
+        if cors:
+            # Caches must key on the origin whenever the answer can depend on it.
+            response.vary.add("Origin")
+            origin = request.headers.get("Origin")
+            if origin and ("*" in cors or origin in cors):
+                response.headers["Access-Control-Allow-Origin"] = "*" if "*" in cors else origin
+                requested = request.headers.get("Access-Control-Request-Headers", "").strip()
+                if requested and len(requested) <= MAX_CORS_HEADER_LIST and _HEADER_LIST.fullmatch(requested):
+                    # The official SDKs send their own headers (x-stainless-*) from a browser.
+                    response.headers["Access-Control-Allow-Headers"] = requested
+                    response.vary.add("Access-Control-Request-Headers")
+                else:
+                    response.headers["Access-Control-Allow-Headers"] = CORS_DEFAULT_HEADERS
+                response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
+                if request.method == "OPTIONS":
+                    response.headers["Access-Control-Max-Age"] = CORS_MAX_AGE
         rule = request.url_rule.rule if request.url_rule else "unmatched"
         state.metrics.requests.labels(rule, str(response.status_code)).inc()
         return response
@@ -102,19 +139,25 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
     async def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         codes = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+        method, path = _method_and_path()
         message = {
-            404: f"no route for {request.path}",
-            405: f"{request.method} is not allowed on {request.path}",
+            404: f"no route for {path}",
+            405: f"{method} is not allowed on {path}",
             413: f"request body is larger than {settings.max_body} bytes",
         }.get(status, exc.description or exc.name)
         type_ = "invalid_request_error" if status < 500 else "server_error"
-        # The body was not read (whole): the connection cannot carry another request.
-        headers = {"Connection": "close"} if status in {408, 413} else None
+        headers = {}
+        if status in {408, 413}:  # the body was not read (whole): no other request can follow
+            headers["Connection"] = "close"
+        allow = dict(exc.get_headers()).get("Allow")
+        if allow:  # 405: RFC 9110 15.5.6
+            headers["Allow"] = allow
         return ApiError(status, message, type_=type_, code=codes.get(status), headers=headers).response()
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
+        method, path = _method_and_path()
+        logger.exception("unhandled error on %s %s", method, path)
         return ApiError(500, "internal server error", type_="server_error", code="internal_error").response()
 
     @app.get("/health")
@@ -147,3 +190,10 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
         return await complete(state, chat=False)
 
     return app
+
+
+def _method_and_path() -> tuple[str, str]:
+    """The current request's method and path, for messages; also outside a request context."""
+    if has_request_context():
+        return request.method, request.path
+    return "?", "?"

@@ -10,8 +10,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 16
+MAX_MESSAGES = 2048  # as OpenAI
+MAX_CACHE_SALT = 256
 MAX_LOGIT_BIAS = 300
 MAX_TOKEN_ID_DIGITS = 10  # token ids are int32
 
@@ -62,7 +65,7 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
-class SamplingFields(_Request):
+class CommonFields(_Request):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -72,7 +75,7 @@ class SamplingFields(_Request):
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Probability | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: str | list[str] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
@@ -81,6 +84,20 @@ class SamplingFields(_Request):
     ) = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None
     user: str | None = None
+    # Prefix-cache scope (as vLLM): requests reuse each other's cached prompt prefixes only
+    # with the same salt (and the same API key, when keys are configured).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise PydanticCustomError(
+                "too_many_stop_strings",
+                "at most {limit} stop strings are allowed, got {count}",
+                {"limit": MAX_STOP_STRINGS, "count": len(value)},
+            )
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -97,12 +114,12 @@ class SamplingFields(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[Message], Field(min_length=1)]
+class ChatCompletionRequest(CommonFields):
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(CommonFields):
     prompt: str
 
 

@@ -241,9 +241,12 @@ class Engine:
                 request.phase = None
                 self._end_with_error(request, EngineFailure(f"cannot build the sampler: {exc}"))
                 continue
-            prompt = request.job.prompt
-            choice = scheduler.pick_slot([s.cached for s in free], [s.last_used for s in free], prompt)
+            job = request.job
+            # Another scope's cache counts as empty: it is never reused, only evicted.
+            cached = [s.cached if s.scope == job.cache_scope else () for s in free]
+            choice = scheduler.pick_slot(cached, [s.last_used for s in free], job.prompt)
             slot = free.pop(choice.index)
+            slot.scope = job.cache_scope
             reuse = choice.reuse
             if reuse < len(slot.cached) and not self.context.seq_rm(slot.seq_id, reuse, -1):
                 self.context.seq_rm(slot.seq_id)

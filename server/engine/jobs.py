@@ -21,6 +21,9 @@ class Job:
     sampling: ffi.SamplingParams = field(default_factory=ffi.SamplingParams)
     max_tokens: int | None = None  # None: until end of generation or the sequence's context ends
     stop: Sequence[str] = ()
+    # Prefix reuse stays within a scope: a job reuses cached prompt tokens only from jobs with
+    # the same ``cache_scope`` (a tenant, a salt), so no one learns another scope's prompts.
+    cache_scope: str = ""
 
 
 @dataclass(frozen=True)

@@ -67,11 +67,12 @@ class Request:
 class Slot:
     """One sequence of the context: what its KV cells hold, and the request using it."""
 
-    __slots__ = ("seq_id", "cached", "request", "last_used")
+    __slots__ = ("seq_id", "cached", "scope", "request", "last_used")
 
     def __init__(self, seq_id: int) -> None:
         self.seq_id = seq_id
         self.cached: list[int] = []  # tokens whose KV cells this sequence holds, in order
+        self.scope = ""  # the cache scope of the job that computed them
         self.request: Request | None = None
         self.last_used = 0
 
