@@ -22,7 +22,7 @@ from ffi.errors import (
     check_decode,
 )
 from ffi.model import Model
-from ffi.sampler import Sampler, SamplingParams
+from ffi.sampler import Sampler, SamplingParams, TokenMask
 from ffi.vocab import Detokenizer, Vocab
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "TemplateError",
+    "TokenMask",
     "TokenizeError",
     "Vocab",
     "check_decode",

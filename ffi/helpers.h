@@ -86,3 +86,24 @@ static int32_t llama_trio_greedy(const float *logits, int32_t n, const int32_t *
     }
     return best < 0 ? 0 : best;
 }
+
+/* Constrained decoding: every logit whose token is not allowed becomes -INFINITY, so that any
+ * sampler (the greedy pick above, or a llama.cpp chain) sees only allowed tokens. mask holds one
+ * bit per token, bit (i % 32) of word (i / 32) for token i (llguidance's layout); whole words of
+ * allowed tokens are skipped. */
+static void llama_trio_apply_mask(float *logits, int32_t n, const uint32_t *mask)
+{
+    for (int32_t word = 0; word * 32 < n; word++) {
+        uint32_t bits = mask[word];
+        if (bits == 0xFFFFFFFFu) {
+            continue;
+        }
+        int32_t base = word * 32;
+        int32_t end = base + 32 < n ? base + 32 : n;
+        for (int32_t i = base; i < end; i++) {
+            if (!((bits >> (i - base)) & 1u)) {
+                logits[i] = -INFINITY;
+            }
+        }
+    }
+}

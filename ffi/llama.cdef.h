@@ -159,6 +159,7 @@ void llama_sampler_free(struct llama_sampler * smpl);
 /* our helpers (ffi/helpers.h) */
 int32_t llama_trio_greedy(const float * logits, int32_t n, const int32_t * bias_tokens,
                           const float * bias_values, int32_t n_bias);
+void llama_trio_apply_mask(float * logits, int32_t n, const uint32_t * mask);
 
 /* callbacks implemented in Python (ffi/_callbacks.py) */
 extern "Python" void _llama_trio_log(enum ggml_log_level, const char *, void *);

@@ -36,6 +36,18 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+class TokenMask:
+    """One bit per token (``uint32_t`` words, bit ``i % 32`` of word ``i // 32``): the memory a
+    grammar engine writes the allowed tokens into and ``Sampler.sample`` reads. Plain memory,
+    freed with the object."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_words = (n_vocab + 31) // 32
+        self.words: Any = ffi.new("uint32_t[]", self.n_words)
+        self.address = int(ffi.cast("uintptr_t", self.words))
+        self.nbytes = 4 * self.n_words
+
+
 def _has_penalties(params: SamplingParams) -> bool:
     return params.repeat_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
@@ -102,15 +114,21 @@ class Sampler:
             raise ClosedError("sampler is closed")
         return self._ptr
 
-    def sample(self, context: Context, index: int) -> int:
-        """The next token from the logits at batch ``index`` of the last decode (accepted)."""
+    def sample(self, context: Context, index: int, mask: TokenMask | None = None) -> int:
+        """The next token from the logits at batch ``index`` of the last decode (accepted).
+
+        ``mask`` (a ``TokenMask``) allows only the tokens whose bit is set: the others' logits
+        are set to -inf in the context's row first, so every sampler in the chain sees it."""
         fast = self._fast
-        if fast is not None:
+        if fast is not None or mask is not None:
             self.ptr  # noqa: B018 - raises when closed
             logits = lib.llama_get_logits_ith(context.ptr, index)
             if logits == ffi.NULL:
                 raise IndexError(f"no logits at batch index {index}")
-            return int(lib.llama_trio_greedy(logits, self.n_vocab, fast[0], fast[1], fast[2]))
+            if mask is not None:
+                lib.llama_trio_apply_mask(logits, self.n_vocab, mask.words)
+            if fast is not None:
+                return int(lib.llama_trio_greedy(logits, self.n_vocab, fast[0], fast[1], fast[2]))
         return int(lib.llama_sampler_sample(self.ptr, context.ptr, index))
 
     def accept(self, token: int) -> None:

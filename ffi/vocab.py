@@ -18,6 +18,8 @@ _INT32_MIN = -(2**31)
 # llama_token_attr bits of control tokens that eat the whitespace beside them when parsed.
 _LSTRIP = 1 << 7
 _RSTRIP = 1 << 8
+ATTR_CONTROL = 1 << 3
+ATTR_USER_DEFINED = 1 << 4
 
 
 class Vocab:
@@ -136,6 +138,25 @@ class Vocab:
         alternatives = "|".join(re.escape(t) for t in sorted(controls, key=len, reverse=True))
         self._controls = controls
         self._control = re.compile(alternatives or r"(?!)")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token as written with special tokens rendered (``<|im_end|>``
+        gives its text), for tools that need the whole vocabulary (a grammar engine)."""
+        buf = ffi.new("char[256]")
+        n = lib.llama_token_to_piece(self.ptr, token, buf, 256, 0, True)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = lib.llama_token_to_piece(self.ptr, token, buf, -n, 0, True)
+        return ffi.unpack(buf, n)
+
+    def attr(self, token: int) -> int:
+        """llama.cpp's ``llama_token_attr`` bits of a token."""
+        return int(lib.llama_vocab_get_attr(self.ptr, token))
+
+    def native_tokenizer(self) -> tuple[int, int]:
+        """(address of this vocabulary, address of ``llama_tokenize``): for a native library
+        that tokenizes through llama.cpp itself (llguidance). Valid while the model is open."""
+        return int(ffi.cast("uintptr_t", self.ptr)), int(ffi.cast("uintptr_t", ffi.addressof(lib, "llama_tokenize")))
 
     def is_control(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_control(self.ptr, token))

@@ -16,6 +16,7 @@ import trio
 import ffi
 from server.api.metrics import Metrics
 from server.engine import Engine, EngineConfig, EngineStats, open_engine
+from server.engine.constraint import GrammarCache, build_tokenizer
 from server.model_files import default_model_path
 from server.settings import Settings
 
@@ -37,6 +38,23 @@ class ServerState:
         self._progress = ffi.ProgressReporter(os.path.basename(self.model_path), logger)
         self.metrics = Metrics(lambda: self.engine.stats if self.engine else None, lambda: self.draining)
         self.warned_fields: set[str] = set()
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = trio.Lock()
+
+    async def grammars(self) -> GrammarCache:
+        """The grammar compiler for the loaded model, made on first use (llguidance's view of
+        the vocabulary: about 0.3 s, in a worker thread). Call only while the engine runs.
+
+        *Cancellation*: a build in progress is waited for (never abandoned), then kept.
+        """
+        async with self._grammars_lock:
+            if self._grammars is None:
+                engine = self.engine
+                assert engine is not None
+                vocab = engine.vocab
+                tokenizer = await trio.to_thread.run_sync(build_tokenizer, vocab, vocab.eog_tokens)
+                self._grammars = GrammarCache(tokenizer)
+            return self._grammars
 
     @property
     def stats(self) -> EngineStats | None:

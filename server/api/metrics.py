@@ -46,6 +46,14 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "llama_trio_decode_seconds", "seconds spent inside llama_decode", value=stats.decode_seconds
         )
+        yield CounterMetricFamily(
+            "llama_trio_constrained_tokens", "tokens sampled under a grammar", value=stats.constrained_tokens
+        )
+        yield CounterMetricFamily(
+            "llama_trio_constraint_seconds",
+            "seconds spent on grammar masks and grammar steps (decode thread)",
+            value=stats.constraint_seconds,
+        )
         cancels = CounterMetricFamily("llama_trio_cancellations", "jobs released early, by phase", labels=["phase"])
         for phase, count in stats.cancellations.items():
             cancels.add_metric([phase], count)

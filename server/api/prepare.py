@@ -19,6 +19,7 @@ from server.api import schema
 from server.api.errors import ApiError, param_from_loc
 from server.api.prompt import chat_tokens, text_tokens
 from server.engine import Job, ShuttingDown
+from server.engine.constraint import Grammar, GrammarError, GrammarKind
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,54 @@ def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParam
     )
 
 
+async def output_grammar(state: ServerState, req: schema.CommonFields) -> Grammar | None:
+    """The grammar the output must follow, compiled (or from the cache), or None.
+
+    *Cancellation*: a compile in progress is waited for, never abandoned.
+    """
+    spec = _grammar_spec(req)
+    if spec is None:
+        return None
+    kind, source, param = spec
+    if len(source) > schema.MAX_GRAMMAR_CHARS:
+        raise ApiError(
+            400, f"the grammar is larger than {schema.MAX_GRAMMAR_CHARS} characters", param=param, code="invalid_value"
+        )
+    grammars = await state.grammars()
+    try:
+        return await trio.to_thread.run_sync(grammars.compile, kind, source)
+    except GrammarError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+
+
+def _grammar_spec(req: schema.CommonFields) -> tuple[GrammarKind, str, str] | None:
+    """(kind, source, param) of the request's constraint, from whichever field asked for one."""
+    specs: list[tuple[GrammarKind, str, str]] = []
+    form = req.response_format
+    if form is not None and form.type == "json_object":
+        specs.append(("json_schema", '{"type": "object"}', "response_format"))
+    elif form is not None and form.type == "json_schema":
+        if form.json_schema is None or form.json_schema.json_schema is None:
+            param = "response_format.json_schema" + (".schema" if form.json_schema is not None else "")
+            raise ApiError(400, f"{param} is required for type json_schema", param=param, code="invalid_value")
+        specs.append(("json_schema", _compact(form.json_schema.json_schema), "response_format.json_schema.schema"))
+    if req.json_schema is not None:
+        specs.append(("json_schema", _compact(req.json_schema), "json_schema"))
+    if req.grammar is not None:
+        specs.append(("gbnf", req.grammar, "grammar"))
+    if len(specs) > 1:
+        names = ", ".join(param for _, _, param in specs)
+        raise ApiError(
+            400, f"give one output constraint, not several ({names})", param=specs[1][2], code="invalid_value"
+        )
+    return specs[0] if specs else None
+
+
+def _compact(value: Any) -> str:
+    # Key order stays: it is the order in which the output's properties come.
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
 def cache_scope(salt: str | None) -> str:
     """The prefix-cache scope of the current request: its API key's tenant (when keys are
     configured) and its ``cache_salt``. Requests share cached prefixes only within a scope."""
@@ -193,6 +242,7 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
         max_tokens=max_tokens,
         stop=req.stop_list(),
         cache_scope=cache_scope(req.cache_salt),
+        grammar=await output_grammar(state, req),
     )
     error = engine.admission_error(job)
     if error is not None:

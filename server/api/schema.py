@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 2048  # as OpenAI
 MAX_CACHE_SALT = 256
+MAX_GRAMMAR_CHARS = 256 * 1024  # a GBNF grammar, or a JSON schema as JSON text
 MAX_LOGIT_BIAS = 300
 MAX_TOKEN_ID_DIGITS = 10  # token ids are int32
 
@@ -57,6 +58,19 @@ class PartError(ValueError):
         self.index = index
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    # "schema" would shadow a pydantic method: the field is read under its wire name.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -87,6 +101,11 @@ class CommonFields(_Request):
     # Prefix-cache scope (as vLLM): requests reuse each other's cached prompt prefixes only
     # with the same salt (and the same API key, when keys are configured).
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+    # Structured outputs: OpenAI's response_format, and llama-server's json_schema and grammar
+    # (GBNF), so that its clients work unchanged.
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
 
     @field_validator("stop")
     @classmethod

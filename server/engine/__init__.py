@@ -4,6 +4,7 @@
 - ``config``: ``EngineConfig`` and ``EngineStats``;
 - ``scheduler``: pure decisions (which sequence, what one step carries, stop strings, when a
   job finishes), unit-tested without a model;
+- ``constraint``: grammars (llguidance) for constrained decoding, one matcher per sequence;
 - ``request``: one job's state in the engine and the ``Pieces`` its caller reads;
 - ``decode_thread``: the one thread that runs llama.cpp's long calls; ``step``: what it runs each
   step (fill the batch, decode, sample);
@@ -14,6 +15,7 @@ from server.engine.config import EngineConfig, EngineStats
 from server.engine.decode_thread import DecodeThread
 from server.engine.driver import Engine, open_engine
 from server.engine.jobs import (
+    ConstraintFailed,
     ContextLengthExceeded,
     EngineError,
     EngineFailure,
@@ -28,6 +30,7 @@ from server.engine.jobs import (
 from server.engine.request import Pieces
 
 __all__ = [
+    "ConstraintFailed",
     "ContextLengthExceeded",
     "DecodeThread",
     "Engine",

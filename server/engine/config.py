@@ -37,6 +37,8 @@ class EngineStats:
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0  # inside llama_decode, all steps together
+    constrained_tokens: int = 0  # sampled under a grammar
+    constraint_seconds: float = 0.0  # their masks and grammar steps, in the decode thread
     last_step_seconds: float = 0.0
     requests_finished: int = 0
     cancellations: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})

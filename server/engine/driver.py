@@ -88,6 +88,7 @@ class Engine:
         self.stats = EngineStats()
         self._closed = False
         self._outbox: list[tuple[Request, Piece, bool]] = []  # pieces for ``_hand_out``
+        self._mask = ffi.TokenMask(self.vocab.n_tokens)  # scratch for constrained sampling
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -184,13 +185,16 @@ class Engine:
                 try:
                     # What the last step produced goes out while this one decodes.
                     result = await self._thread.run(
-                        run_step, self.context, self._batch, self._slots, plan, meanwhile=self._hand_out
+                        run_step, self.context, self._batch, self._slots, plan, self._mask, meanwhile=self._hand_out
                     )
                 except ffi.DecodeError as exc:
                     self._fail_step(plan, exc)
                     continue
                 self.stats.decode_steps += 1
                 self.stats.decode_seconds += result.decode_seconds
+                if result.constrained:
+                    self.stats.constrained_tokens += result.constrained
+                    self.stats.constraint_seconds += result.constraint_seconds
                 self.stats.last_step_seconds = time.perf_counter() - started
                 self._conclude(result.sampled)
                 # KV counts take two C calls per sequence: every few steps while busy, and
@@ -261,6 +265,7 @@ class Engine:
             request.n_prompt_done = reuse
             request.cached_tokens = reuse
             request.sampler = sampler
+            request.matcher = job.grammar.matcher() if job.grammar is not None else None
             request.detok = ffi.Detokenizer(self.vocab)
             self.stats.cached_tokens += reuse
         self.stats.queued = len(self._queue)
@@ -301,6 +306,9 @@ class Engine:
                 continue  # reaped before the next step
             request.n_generated += 1
             self.stats.generated_tokens += 1
+            if request.failure is not None:
+                self._end_with_error(request, request.failure)
+                continue
             detok = request.detok
             assert detok is not None
             end_of_generation = token in eog
@@ -312,6 +320,7 @@ class Engine:
                 max_tokens=request.job.max_tokens,
                 n_past=request.n_past,
                 n_ctx_seq=self.n_ctx_seq,
+                grammar_done=request.matcher is not None and request.matcher.done,
             )
             tokens = () if end_of_generation else (token,)
             if verdict.finish is None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import ffi
+
+if TYPE_CHECKING:
+    from server.engine.constraint import Grammar
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class Job:
     # Prefix reuse stays within a scope: a job reuses cached prompt tokens only from jobs with
     # the same ``cache_scope`` (a tenant, a salt), so no one learns another scope's prompts.
     cache_scope: str = ""
+    # Constrained decoding: every token is one the grammar allows, and the grammar reaching its
+    # end finishes the job ("stop"). None: unconstrained (and no cost).
+    grammar: Grammar | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,13 @@ class ContextLengthExceeded(EngineError):
     """The prompt does not fit in one sequence's context."""
 
     code = "context_length_exceeded"
+    status = 400
+
+
+class ConstraintFailed(EngineError):
+    """The job's grammar could not go on (a resource limit of its grammar engine)."""
+
+    code = "constraint_failed"
     status = 400
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import trio
 
 import ffi
+from server.engine.constraint import Matcher
 from server.engine.jobs import EngineError, Job, Phase, Piece, PieceSink
 from server.engine.scheduler import StopMatcher
 
@@ -38,6 +39,8 @@ class Request:
         "sent",
         "taken",
         "sink",
+        "matcher",
+        "failure",
     )
 
     def __init__(self, job: Job, channel_size: int) -> None:
@@ -62,6 +65,8 @@ class Request:
         self.taken = 0
         # Set by ``Pieces.deliver_directly``: takes pieces in place of the channel while armed.
         self.sink: PieceSink | None = None
+        self.matcher: Matcher | None = None  # the job's place in its grammar, once admitted
+        self.failure: EngineError | None = None  # set in the decode thread: end the job with it
 
 
 class Slot:

@@ -140,13 +140,15 @@ def judge_token(
     max_tokens: int | None,
     n_past: int,
     n_ctx_seq: int,
+    grammar_done: bool = False,
 ) -> Verdict:
     """Decide one sampled token: ``text`` is what the detokenizer gave for it ("" for an
     end-of-generation token, which is never detokenized), ``n_generated`` counts it, ``n_past``
     is the sequence's length in KV without it.
 
     In order: an end-of-generation token ends the job ("stop", no text of its own); a stop string
-    completed by this text ends it ("stop", text cut before the stop string); then
+    completed by this text ends it ("stop", text cut before the stop string); the job's grammar
+    reaching its end with this token ends it ("stop", the token's text kept); then
     ``max_tokens`` reached and a full context end it ("length").
     """
     if end_of_generation:
@@ -154,6 +156,8 @@ def judge_token(
     released, stopped = stops.feed(text)
     if stopped:
         return Verdict(released, "stop", False)
+    if grammar_done:
+        return Verdict(released, "stop", True)
     if (max_tokens is not None and n_generated >= max_tokens) or n_past >= n_ctx_seq:
         return Verdict(released, "length", True)
     return Verdict(released, None, False)

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ffi
+from server.engine.constraint import GrammarError
+from server.engine.jobs import ConstraintFailed
 from server.engine.request import Slot
 from server.engine.scheduler import PlanEntry
 
@@ -21,11 +23,17 @@ from server.engine.scheduler import PlanEntry
 class StepResult:
     sampled: list[tuple[Slot, int]]  # (slot, token) for every sequence that produced logits
     decode_seconds: float  # inside llama_decode
+    constrained: int  # tokens sampled under a grammar
+    constraint_seconds: float  # computing and applying their masks, and advancing the grammars
 
 
-def run_step(context: ffi.Context, batch: ffi.Batch, slots: Sequence[Slot], plan: Sequence[PlanEntry]) -> StepResult:
+def run_step(
+    context: ffi.Context, batch: ffi.Batch, slots: Sequence[Slot], plan: Sequence[PlanEntry], mask: ffi.TokenMask
+) -> StepResult:
     """Blocking: call it in the decode thread. Raises ``ffi.DecodeError`` when llama.cpp
-    cannot decode the batch (nothing is then recorded as decoded)."""
+    cannot decode the batch (nothing is then recorded as decoded). A sequence with a grammar
+    samples under its mask (``mask`` is scratch memory) and feeds the token to its grammar; a
+    grammar that fails sets the request's ``failure``."""
     batch.clear()
     to_sample: list[tuple[Slot, int]] = []
     for entry in plan:
@@ -61,8 +69,23 @@ def run_step(context: ffi.Context, batch: ffi.Batch, slots: Sequence[Slot], plan
             request.n_past += 1
             request.pending = None
     out: list[tuple[Slot, int]] = []
+    constrained = 0
+    constraint_seconds = 0.0
     for slot, index in to_sample:
         request = slot.request
         assert request is not None and request.sampler is not None
-        out.append((slot, request.sampler.sample(context, index)))
-    return StepResult(out, decode_seconds)
+        matcher = request.matcher
+        if matcher is None:
+            out.append((slot, request.sampler.sample(context, index)))
+            continue
+        started = time.perf_counter()
+        matcher.fill_mask(mask)
+        token = request.sampler.sample(context, index, mask)
+        try:
+            matcher.consume(token)
+        except GrammarError as exc:
+            request.failure = ConstraintFailed(f"the output's grammar cannot go on: {exc}")
+        constraint_seconds += time.perf_counter() - started
+        constrained += 1
+        out.append((slot, token))
+    return StepResult(out, decode_seconds, constrained, constraint_seconds)

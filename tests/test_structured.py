@@ -1,0 +1,324 @@
+"""Structured outputs through a real server: every answer follows its JSON Schema or grammar,
+streamed or not, greedy or sampled; constrained and free streams share a batch; errors are
+400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.support import sse
+from tests.support.process import ServerProcess
+from tests.support.waiting import wait_for
+
+ASK = [{"role": "user", "content": "Describe a fictional person as JSON."}]
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "nested-objects": {
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+                "required": ["name", "age"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["person"],
+        "additionalProperties": False,
+    },
+    "array-bounds": {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 2, "maxItems": 3}
+        },
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    },
+    "const": {
+        "type": "object",
+        "properties": {"kind": {"const": "person"}, "ok": {"type": "boolean"}},
+        "required": ["kind", "ok"],
+        "additionalProperties": False,
+    },
+    "number-bounds": {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["age", "score"],
+        "additionalProperties": False,
+    },
+    "string-pattern-length": {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+            "nick": {"type": "string", "minLength": 2, "maxLength": 6},
+        },
+        "required": ["code", "nick"],
+        "additionalProperties": False,
+    },
+    "defs-ref": {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+        "required": ["start", "end"],
+        "additionalProperties": False,
+    },
+    "any-of": {
+        "type": "object",
+        "properties": {
+            "value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 10}, {"type": "null"}]}
+        },
+        "required": ["value"],
+        "additionalProperties": False,
+    },
+    "no-additional-properties": {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    "optional-fields": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "email": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer"},
+        },
+        "required": ["name"],
+        "additionalProperties": False,
+    },
+    "unicode-and-escapes": {
+        "type": "object",
+        "properties": {
+            "quote": {"type": "string", "maxLength": 20},
+            "city": {"enum": ["Zürich", "東京", 'say "hi"\\n']},
+        },
+        "required": ["quote", "city"],
+        "additionalProperties": False,
+    },
+    "top-level-array": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]) as proc:
+        proc.wait_ready()
+        yield proc
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log, proc.log[-5000:]
+
+
+def chat(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream_chat(server: ServerProcess, body: dict[str, Any]) -> sse.Stream:
+    payload = {"messages": ASK, "stream": True, **body}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=payload, timeout=120) as response:
+        assert response.status_code == 200
+        return sse.parse(response.read(), kind="chat")
+
+
+def response_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_answer_follows_its_schema(server: ServerProcess, name: str) -> None:
+    schema = SCHEMAS[name]
+    body = {"response_format": response_format(schema), "max_tokens": 200, "temperature": 0}
+    whole = chat(server, body)["choices"][0]
+    assert whole["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(whole["message"]["content"]), schema)
+    streamed = stream_chat(server, body)
+    assert streamed.finish_reasons == ["stop"]
+    assert streamed.text == whole["message"]["content"]
+    for seed in (1, 2):
+        sampled = chat(server, {**body, "temperature": 1.0, "seed": seed})["choices"][0]
+        assert sampled["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(sampled["message"]["content"]), schema)
+
+
+def test_json_object_completion_and_llama_server_fields(server: ServerProcess) -> None:
+    body = {"response_format": {"type": "json_object"}, "max_tokens": 100, "temperature": 0.8, "seed": 3}
+    assert isinstance(json.loads(chat(server, body)["choices"][0]["message"]["content"]), dict)
+    # llama-server's own fields, on the legacy endpoint.
+    schema = SCHEMAS["enum"]
+    completion = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Favourite color:", "json_schema": schema, "max_tokens": 20, "temperature": 0},
+        timeout=60,
+    ).json()["choices"][0]
+    jsonschema.validate(json.loads(completion["text"]), schema)
+    answer = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Is the sky blue? Answer:", "grammar": 'root ::= " yes" | " no"', "max_tokens": 10},
+        timeout=60,
+    ).json()["choices"][0]
+    assert answer["text"] in {" yes", " no"} and answer["finish_reason"] == "stop"
+    text = chat(server, {"response_format": {"type": "text"}, "max_tokens": 4, "temperature": 0})
+    assert text["choices"][0]["message"]["content"]
+
+
+def test_max_tokens_first_ends_with_length_and_a_prefix(server: ServerProcess) -> None:
+    body = {"response_format": response_format(SCHEMAS["defs-ref"]), "max_tokens": 5, "temperature": 0}
+    choice = chat(server, body)["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"].startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice["message"]["content"])
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    age: int
+    hobbies: list[str] = pydantic.Field(max_length=2)
+
+
+def test_openai_sdk_parse_returns_the_pydantic_object(server: ServerProcess) -> None:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+        completion = client.chat.completions.parse(
+            model="smollm2", messages=ASK, response_format=Person, max_tokens=150, temperature=0
+        )
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person)
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_constrained_and_free_streams_in_one_batch(server: ServerProcess) -> None:
+    free = {"max_tokens": 40, "temperature": 0}
+    alone = chat(server, free)["choices"][0]["message"]["content"]
+    results: dict[str, Any] = {}
+
+    def run(name: str, body: dict[str, Any]) -> None:
+        results[name] = chat(server, body)["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=run, args=("free", free))]
+    for name in ("nested-objects", "enum", "number-bounds"):
+        body = {"response_format": response_format(SCHEMAS[name]), "max_tokens": 120, "temperature": 0}
+        threads.append(threading.Thread(target=run, args=(name, body)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert results["free"] == alone
+    for name in ("nested-objects", "enum", "number-bounds"):
+        jsonschema.validate(json.loads(results[name]), SCHEMAS[name])
+
+
+def test_cancelled_constrained_streams_leak_nothing(server: ServerProcess) -> None:
+    body = {
+        "messages": ASK,
+        "stream": True,
+        "max_tokens": 200,
+        "response_format": response_format({"type": "array", "items": {"type": "integer"}}),
+        "logit_bias": {"0": -100, "2": -100},
+    }
+    for _ in range(3):  # left after a few pieces
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    break
+    wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, "the sequences to be freed", 20)
+    m = server.metrics()
+    assert m["llama_trio_kv_cells_used"] == m["llama_trio_kv_cells_cached"]
+    # Many short constrained requests: the process does not grow.
+    small = {"messages": ASK, "max_tokens": 2, "response_format": response_format(SCHEMAS["enum"])}
+
+    def burst(n: int) -> None:
+        with httpx.Client(timeout=60) as client:
+            for _ in range(n):
+                assert client.post(server.url + "/v1/chat/completions", json=small).status_code == 200
+
+    burst(100)
+    before = rss(server.proc.pid)
+    threads = [threading.Thread(target=burst, args=(225,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert server.metrics()["llama_trio_requests_total{endpoint=/v1/chat/completions,status=200}"] >= 1000
+    assert rss(server.proc.pid) - before < 32 * 1024 * 1024
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({"json_schema": {"type": "bogus"}}, "json_schema", "bogus"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "if": {}}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "if",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+            "required",
+        ),
+        ({"grammar": "root ::= missing"}, "grammar", "missing"),
+        ({"grammar": "root ::= (("}, "grammar", ""),
+        ({"json_schema": {"enum": ["x" * 100] * 3000}}, "json_schema", "larger than"),
+        ({"grammar": 'root ::= "a"', "json_schema": {"type": "object"}}, "grammar", "one output constraint"),
+    ],
+    ids=[
+        "invalid-type",
+        "unsupported-keyword",
+        "no-schema",
+        "unknown-rule",
+        "broken-gbnf",
+        "too-large",
+        "two-constraints",
+    ],
+)
+def test_bad_grammars_are_400s_naming_the_field(
+    server: ServerProcess, body: dict[str, Any], param: str, needle: str
+) -> None:
+    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_value"
+    assert needle in error["message"]
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
