@@ -79,6 +79,16 @@ CTX = 8192  # KV cells in all: 512 per sequence
 BATCH = 512  # n_batch = n_ubatch on both (ours: --batch-size; n_ubatch follows it)
 CONCURRENCY = (1, 4, 16)
 TTFT_CONCURRENCY = (1, 4)
+JSON_CONCURRENCY = (1, 4)
+# Structured-output streams: an answer this schema allows is longer than MAX_TOKENS on both
+# servers (at least 100 numbers), so every stream runs to MAX_TOKENS as the free ones do.
+JSON_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "numbers",
+        "schema": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 100},
+    },
+}
 MAX_TOKENS = 128  # throughput requests
 TTFT_MAX_TOKENS = 16
 TURN1_MAX_TOKENS = 64
@@ -262,8 +272,10 @@ class StreamResult:
         )
 
 
-def _chat_body(messages: list[dict[str, str]], max_tokens: int, banned: Sequence[int]) -> bytes:
-    payload = {
+def _chat_body(
+    messages: list[dict[str, str]], max_tokens: int, banned: Sequence[int], response_format: Any = None
+) -> bytes:
+    payload: dict[str, Any] = {
         "messages": messages,
         "temperature": 0,
         "max_tokens": max_tokens,
@@ -271,6 +283,8 @@ def _chat_body(messages: list[dict[str, str]], max_tokens: int, banned: Sequence
         "stream_options": {"include_usage": True},
         "logit_bias": {str(t): -100 for t in banned},
     }
+    if response_format is not None:
+        payload["response_format"] = response_format
     return json.dumps(payload).encode()
 
 
@@ -342,6 +356,22 @@ async def stream_chat(
             result.failure = f"{type(exc).__name__}: {exc}"
     result.end = time.perf_counter()
     return result
+
+
+async def constraint_counters(port: int) -> tuple[float, float]:
+    """Our /metrics: (tokens sampled under a grammar, seconds their masks took)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    values = {}
+    for line in data.decode().splitlines():
+        name, _, value = line.partition(" ")
+        if name in {"llama_trio_constrained_tokens_total", "llama_trio_constraint_seconds_total"}:
+            values[name] = float(value)
+    return values["llama_trio_constrained_tokens_total"], values["llama_trio_constraint_seconds_total"]
 
 
 async def get_status(port: int, path: str) -> int | None:
@@ -451,8 +481,9 @@ class Session:
             {"role": "user", "content": q},
         ]
 
-    async def chat(self, max_tokens: int, **kw: Any) -> StreamResult:
-        return await stream_chat(self.port, _chat_body(self.messages(), max_tokens, self.banned), **kw)
+    async def chat(self, max_tokens: int, response_format: Any = None, **kw: Any) -> StreamResult:
+        body = _chat_body(self.messages(), max_tokens, self.banned, response_format)
+        return await stream_chat(self.port, body, **kw)
 
     def cpu_seconds(self) -> float:
         return common.process_cpu_seconds(self.proc.pid)
@@ -478,12 +509,14 @@ async def measure_startup(port: int, started: float, proc: subprocess.Popen[byte
     raise RuntimeError(f"no 200 on /health within {STARTUP_TIMEOUT_S} s")
 
 
-async def measure_throughput(session: Session, concurrency: int, waves: int) -> dict[str, Any]:
+async def measure_throughput(
+    session: Session, concurrency: int, waves: int, response_format: Any = None
+) -> dict[str, Any]:
     results: list[StreamResult] = []
 
     async def client() -> None:
         for _ in range(waves):
-            results.append(await session.chat(MAX_TOKENS))
+            results.append(await session.chat(MAX_TOKENS, response_format))
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
@@ -690,6 +723,15 @@ def run_side(
         out["ttft"] = [
             await guarded(f"TTFT at {c}", measure_ttft, session, c, cfg.ttft_requests) for c in TTFT_CONCURRENCY
         ]
+        before = await constraint_counters(port) if side == "ours" else None
+        out["json_throughput"] = [
+            await guarded(f"json_schema throughput at {c}", measure_throughput, session, c, cfg.waves, JSON_FORMAT)
+            for c in JSON_CONCURRENCY
+        ]
+        if before is not None:
+            after = await constraint_counters(port)
+            tokens = after[0] - before[0]
+            out["constraint_us_per_token"] = 1e6 * (after[1] - before[1]) / tokens if tokens else None
         out["second_turn"] = await guarded("the second turn", measure_second_turn, session, cfg.conversations)
         out["disconnect"] = await measure_disconnect(session)
         out["peak_rss_bytes"] = vm_hwm_bytes(proc.pid)
@@ -724,6 +766,11 @@ def _metrics() -> list[Metric]:
             (f"tps_{c}", f"completion tokens/s, {c} stream{'s' if c > 1 else ''}", "tok/s",
              lambda r, i=i: r["throughput"][i]["tps"], 1, True)
         )  # fmt: skip
+    for i, c in enumerate(JSON_CONCURRENCY):
+        metrics.append(
+            (f"json_tps_{c}", f"json_schema completion tokens/s, {c} stream{'s' if c > 1 else ''}", "tok/s",
+             lambda r, i=i: r["json_throughput"][i]["tps"], 1, True)
+        )  # fmt: skip
     for i, c in enumerate(TTFT_CONCURRENCY):
         for q in ("p50", "p95"):
             metrics.append(
@@ -754,6 +801,15 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if entry["ours"] and entry["llama-server"] and entry["llama-server"]["median"]:
             entry["ratio"] = entry["ours"]["median"] / entry["llama-server"]["median"]
         summary[key] = entry
+    ours_free = {c: summary[f"tps_{c}"]["ours"] for c in JSON_CONCURRENCY}
+    ours_json = {c: summary[f"json_tps_{c}"]["ours"] for c in JSON_CONCURRENCY}
+    summary["json_vs_free"] = {
+        str(c): ours_json[c]["median"] / ours_free[c]["median"]
+        for c in JSON_CONCURRENCY
+        if ours_json[c] and ours_free[c]
+    }
+    costs = [r["constraint_us_per_token"] for r in runs if r.get("constraint_us_per_token") is not None]
+    summary["constraint_us_per_token"] = common.Summary.of(costs).as_dict() if costs else None
     for side in SIDES:
         sig = [r["sigterm"] for r in runs if r["side"] == side]
         summary[f"sigterm_{side}"] = {
@@ -805,6 +861,12 @@ def markdown(summary: dict[str, Any], runs: int, info: dict[str, Any]) -> str:
         f"{TTFT_MAX_TOKENS} for TTFT. Ratios above 1 are better for tokens/s, below 1 for everything else.",
         "",
         common.markdown_table(header, rows),
+        "",
+        "json_schema streams (an array of at least 100 integers, so every stream runs to "
+        f"{MAX_TOKENS} tokens): ours constrained / ours free, medians: "
+        + ", ".join(f"{v:.2f} at {c}" for c, v in summary["json_vs_free"].items())
+        + "; our mask cost per constrained token (mean of a run, median of runs): "
+        + (f"{summary['constraint_us_per_token']['median']:.0f} us." if summary["constraint_us_per_token"] else "-."),
         "",
         f"SIGTERM stream endings: llama-server: {endings['llama-server']}; ours: {endings['ours']}. "
         f"Plain bind after exit: llama-server: {binds['llama-server']}; ours: {binds['ours']}.",
