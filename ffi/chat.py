@@ -49,8 +49,15 @@ class ChatTemplate:
             except jinja2.TemplateError as exc:
                 logger.warning("chat template does not compile in jinja2 (%s); using llama.cpp's", exc)
 
-    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``; raises ``TemplateError`` when it cannot be made."""
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for ``messages`` (and ``tools``, for a template that renders them);
+        raises ``TemplateError`` when it cannot be made."""
         if self._jinja is not None:
             try:
                 return self._jinja.render(
@@ -58,6 +65,7 @@ class ChatTemplate:
                     add_generation_prompt=add_generation_prompt,
                     bos_token=self.bos_token,
                     eos_token=self.eos_token,
+                    tools=list(tools) if tools else None,
                 )
             except TemplateError:
                 raise

@@ -14,6 +14,7 @@ from server.model_files import DefaultModelMissing
 from server.net.lifecycle import Server
 from server.net.listener import ListenError
 from server.settings import parse_settings
+from server.state import TemplateFileError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         server = Server(settings)
-    except (ListenError, DefaultModelMissing) as exc:
+    except (ListenError, DefaultModelMissing, TemplateFileError) as exc:
         print(f"llama-trio: {exc}", file=sys.stderr)
         return 2
     trio.run(server.serve)

@@ -30,6 +30,7 @@ class Settings:
     batch_size: int = 512
     threads: int = field(default_factory=_default_threads)
     alias: str | None = None
+    chat_template_file: str | None = None  # None: the model's own template
     api_key: tuple[str, ...] = ()
     api_key_file: str | None = None
     max_queue: int = 64
@@ -67,6 +68,7 @@ _HELP = {
         "(threads that wait on each other stall when one is preempted)"
     ),
     "alias": "model id reported by the API (default: the model file's name)",
+    "chat_template_file": "Jinja chat template to use instead of the model's own (e.g. one that knows tools)",
     "api_key": "accepted API key (repeatable; env: comma-separated)",
     "api_key_file": "file with one API key per line",
     "max_queue": "requests waiting for a free sequence before 503",
@@ -99,7 +101,7 @@ def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
 def _kind(name: str) -> type:
     defaults = Settings()
     value = getattr(defaults, name)
-    if name in {"model", "alias", "api_key_file"}:
+    if name in {"model", "alias", "api_key_file", "chat_template_file"}:
         return str
     if name == "max_tokens":
         return int

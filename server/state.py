@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import time
 
 import trio
@@ -23,6 +24,22 @@ from server.settings import Settings
 logger = logging.getLogger(__name__)
 
 
+class TemplateFileError(OSError):
+    """``--chat-template-file`` cannot be read; the message names the file."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return pathlib.Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TemplateFileError(0, f"cannot read the chat template file {path}: {exc}") from None
+
+
 class ServerState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -31,6 +48,7 @@ class ServerState:
         self.created = int(time.time())
         self.engine: Engine | None = None
         self.template: ffi.ChatTemplate | None = None
+        self._template_source = _read_template(settings.chat_template_file)
         self.draining = False
         self.load_failed: BaseException | None = None
         self.ready = trio.Event()
@@ -85,7 +103,8 @@ class ServerState:
             return
         try:
             self.template = ffi.ChatTemplate(
-                model.chat_template, bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else ""
+                self._template_source or model.chat_template,
+                bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else "",
             )
             config = EngineConfig(
                 n_parallel=s.parallel,

@@ -14,6 +14,7 @@ from server.api import schema, sse
 from server.api.errors import ApiError
 from server.api.prepare import prepare
 from server.api.streaming import streamed_response
+from server.api.tools import call_id, read_answer
 from server.api.trace import Trace, usage_payload
 from server.engine import EngineError
 from server.state import ServerState
@@ -63,13 +64,16 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
     usage_info = schema.UsageInfo.model_validate(usage_payload(usage))
     payload: dict[str, Any]
     if chat:
+        message, finish = _assistant_message(text, trace.ending, tools=prepared.tools)
         payload = schema.ChatCompletion(
             id=id_,
             created=created,
             model=state.model_id,
-            choices=[schema.ChatChoice(message=schema.AssistantMessage(content=text), finish_reason=trace.ending)],
+            choices=[schema.ChatChoice(message=message, finish_reason=finish)],
             usage=usage_info,
         ).model_dump()
+        if message.tool_calls is None:
+            del payload["choices"][0]["message"]["tool_calls"]
     else:
         payload = schema.Completion(
             id=id_,
@@ -79,3 +83,18 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
             usage=usage_info,
         ).model_dump()
     return json_response(payload)
+
+
+def _assistant_message(text: str, finish: str, *, tools: str | None) -> tuple[schema.AssistantMessage, str]:
+    """The answer as OpenAI's assistant message, and its finish reason: with tools, the
+    response's text or the calls (then ``"tool_calls"`` where the answer ended by itself)."""
+    if not tools:
+        return schema.AssistantMessage(content=text), finish
+    answer = read_answer(text, native=tools == "native")
+    if not answer.calls:
+        return schema.AssistantMessage(content=answer.content), finish
+    calls = [
+        schema.ToolCallOut(id=call_id(), function=schema.FunctionCallOut(name=name, arguments=arguments))
+        for name, arguments in answer.calls
+    ]
+    return schema.AssistantMessage(content=None, tool_calls=calls), "tool_calls" if finish == "stop" else finish

@@ -8,18 +8,18 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 import trio
 from quart import g, request
 
 import ffi
-from server.api import schema
+from server.api import schema, tools
+from server.api.constraints import ToolUse, output_grammar, tool_use
 from server.api.errors import ApiError, param_from_loc
 from server.api.prompt import chat_tokens, text_tokens
 from server.engine import Job, ShuttingDown
-from server.engine.constraint import Grammar, GrammarError, GrammarKind
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,9 @@ class Prepared:
     stream: bool
     include_usage: bool
     chat: bool
+    # The answer is a response or tool calls (``api/tools.py``) to translate: "generic" (JSON)
+    # or "native" (the template's own syntax); None: plain text.
+    tools: Literal["generic", "native"] | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -110,54 +113,6 @@ def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParam
     )
 
 
-async def output_grammar(state: ServerState, req: schema.CommonFields) -> Grammar | None:
-    """The grammar the output must follow, compiled (or from the cache), or None.
-
-    *Cancellation*: a compile in progress is waited for, never abandoned.
-    """
-    spec = _grammar_spec(req)
-    if spec is None:
-        return None
-    kind, source, param = spec
-    if len(source) > schema.MAX_GRAMMAR_CHARS:
-        raise ApiError(
-            400, f"the grammar is larger than {schema.MAX_GRAMMAR_CHARS} characters", param=param, code="invalid_value"
-        )
-    grammars = await state.grammars()
-    try:
-        return await trio.to_thread.run_sync(grammars.compile, kind, source)
-    except GrammarError as exc:
-        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
-
-
-def _grammar_spec(req: schema.CommonFields) -> tuple[GrammarKind, str, str] | None:
-    """(kind, source, param) of the request's constraint, from whichever field asked for one."""
-    specs: list[tuple[GrammarKind, str, str]] = []
-    form = req.response_format
-    if form is not None and form.type == "json_object":
-        specs.append(("json_schema", '{"type": "object"}', "response_format"))
-    elif form is not None and form.type == "json_schema":
-        if form.json_schema is None or form.json_schema.json_schema is None:
-            param = "response_format.json_schema" + (".schema" if form.json_schema is not None else "")
-            raise ApiError(400, f"{param} is required for type json_schema", param=param, code="invalid_value")
-        specs.append(("json_schema", _compact(form.json_schema.json_schema), "response_format.json_schema.schema"))
-    if req.json_schema is not None:
-        specs.append(("json_schema", _compact(req.json_schema), "json_schema"))
-    if req.grammar is not None:
-        specs.append(("gbnf", req.grammar, "grammar"))
-    if len(specs) > 1:
-        names = ", ".join(param for _, _, param in specs)
-        raise ApiError(
-            400, f"give one output constraint, not several ({names})", param=specs[1][2], code="invalid_value"
-        )
-    return specs[0] if specs else None
-
-
-def _compact(value: Any) -> str:
-    # Key order stays: it is the order in which the output's properties come.
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
 def cache_scope(salt: str | None) -> str:
     """The prefix-cache scope of the current request: its API key's tenant (when keys are
     configured) and its ``cache_salt``. Requests share cached prefixes only within a scope."""
@@ -198,20 +153,16 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
         )
     vocab = engine.vocab
     param = "messages" if chat else "prompt"
+    use: ToolUse | None = None
     if isinstance(req, schema.ChatCompletionRequest):
-        messages = []
-        for i, message in enumerate(req.messages):
-            try:
-                text = message.text()
-            except schema.PartError as exc:
-                raise ApiError(400, str(exc), param=f"messages[{i}].content[{exc.index}].type") from None
-            role = "system" if message.role == "developer" else message.role
-            messages.append({"role": role, "content": text})
         template = state.template
+        use = tool_use(req, native=tools.knows_tools(template.source))
+        messages = _chat_messages(req, use)
         work = sum(len(m["content"]) for m in messages) + CHARS_PER_MESSAGE * len(messages)
+        template_tools = use.template_tools if use is not None else None
 
         def render() -> list[int]:
-            return chat_tokens(template, vocab, messages)
+            return chat_tokens(template, vocab, messages, template_tools)
 
         max_tokens = req.max_completion_tokens or req.max_tokens
     else:
@@ -242,10 +193,48 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
         max_tokens=max_tokens,
         stop=req.stop_list(),
         cache_scope=cache_scope(req.cache_salt),
-        grammar=await output_grammar(state, req),
+        grammar=await output_grammar(state, req, use),
     )
     error = engine.admission_error(job)
     if error is not None:
         raise ApiError.from_engine(error, param=param)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Prepared(job, req.stream, include_usage, chat)
+    scheme: Literal["generic", "native"] | None = None
+    if use is not None and use.constrained:
+        scheme = "native" if use.native else "generic"
+    return Prepared(job, req.stream, include_usage, chat, tools=scheme)
+
+
+def _chat_messages(req: schema.ChatCompletionRequest, use: ToolUse | None) -> list[dict[str, str]]:
+    """The request's messages as role/content pairs for the template; a history with tool
+    calls and results is rewritten for templates that know no tools (``tools.conversation``)."""
+    messages: list[dict[str, Any]] = []
+    with_tools = use is not None
+    for i, message in enumerate(req.messages):
+        try:
+            text = message.text()
+        except schema.PartError as exc:
+            raise ApiError(400, str(exc), param=f"messages[{i}].content[{exc.index}].type") from None
+        role = "system" if message.role == "developer" else message.role
+        entry: dict[str, Any] = {"role": role, "content": text}
+        if message.role == "tool":
+            if message.tool_call_id is None:
+                message_ = "a tool message needs the tool_call_id of the call it answers"
+                raise ApiError(400, message_, param=f"messages[{i}].tool_call_id", code="invalid_value")
+            entry.update(tool_call_id=message.tool_call_id, name=message.name)
+            with_tools = True
+        if message.tool_calls:
+            if message.role != "assistant":
+                message_ = "only assistant messages carry tool_calls"
+                raise ApiError(400, message_, param=f"messages[{i}].tool_calls", code="invalid_value")
+            calls = [
+                {"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls
+            ]
+            entry["tool_calls"] = calls
+            with_tools = True
+        messages.append(entry)
+    if not with_tools:
+        return messages
+    if use is not None and use.native:
+        return tools.native_messages(messages)
+    return tools.conversation(messages, use.instruction if use is not None else None)

@@ -27,8 +27,10 @@ in where it adds a leading space).
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import ffi
 
@@ -48,17 +50,30 @@ def text_tokens(vocab: ffi.Vocab, prompt: str) -> list[int]:
     return _without_double_bos(vocab, _tokenize_special(vocab, prompt, add_special=True))
 
 
-def chat_tokens(template: ffi.ChatTemplate, vocab: ffi.Vocab, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """The tokens of ``messages`` rendered by ``template`` with the generation prompt; only
-    the template's own text yields control tokens. Blocking: may take milliseconds."""
+def chat_tokens(
+    template: ffi.ChatTemplate,
+    vocab: ffi.Vocab,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """The tokens of ``messages`` (and ``tools``, for a template that renders them) rendered
+    by ``template`` with the generation prompt; only the template's own text yields control
+    tokens. Control-token text in tool definitions and calls is broken as in the fallback
+    below. Blocking: may take milliseconds."""
     control = vocab.control_pattern
-    rendered = template.render(messages, add_generation_prompt=True)
+    if tools:
+        tools = [_break_all(control, tool) for tool in tools]
+    messages = [
+        {**m, "tool_calls": _break_all(control, m["tool_calls"])} if m.get("tool_calls") else m for m in messages
+    ]
+    render = functools.partial(template.render, add_generation_prompt=True, tools=tools)
+    rendered = render(messages)
     if not any(control.search(m["content"]) for m in messages):
         return _without_double_bos(vocab, _tokenize_special(vocab, rendered, add_special=True))
-    pieces = _split_rendering(template, messages, rendered)
+    pieces = _split_rendering(render, messages, rendered)
     if pieces is None:
         broken = [{**m, "content": _break_control(control, m["content"])} for m in messages]
-        prompt = template.render(broken, add_generation_prompt=True)
+        prompt = render(broken)
         return _without_double_bos(vocab, _tokenize_special(vocab, prompt, add_special=True))
     tokens: list[int] = []
     for text, is_content in pieces:
@@ -104,12 +119,12 @@ def _tokenize_special(vocab: ffi.Vocab, text: str, *, add_special: bool) -> list
 
 
 def _split_rendering(
-    template: ffi.ChatTemplate, messages: Sequence[Mapping[str, str]], rendered: str
+    render: Callable[[Sequence[Mapping[str, Any]]], str], messages: Sequence[Mapping[str, Any]], rendered: str
 ) -> list[tuple[str, bool]] | None:
     """``rendered`` cut into (text, is_content) pieces in order, using a rendering with a
     placeholder for each non-empty content; None when the two renderings do not line up."""
     placeholders = [{**m, "content": f"{_OPEN}{i}{_CLOSE}" if m["content"] else ""} for i, m in enumerate(messages)]
-    structure = _PLACEHOLDER.split(template.render(placeholders, add_generation_prompt=True))
+    structure = _PLACEHOLDER.split(render(placeholders))
     # split() alternates template text and a captured index: t0, i0, t1, i1, ..., tn.
     pieces: list[tuple[str, bool]] = []
     at = 0
@@ -137,6 +152,17 @@ def _split_rendering(
 
 def _break_control(control: re.Pattern[str], text: str) -> str:
     return control.sub(lambda m: m.group(0)[0] + _BREAK + m.group(0)[1:], text)
+
+
+def _break_all(control: re.Pattern[str], value: Any) -> Any:
+    """``value`` (JSON data) with control-token text broken in every string, keys included."""
+    if isinstance(value, str):
+        return _break_control(control, value)
+    if isinstance(value, Mapping):
+        return {_break_control(control, k): _break_all(control, v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_break_all(control, v) for v in value]
+    return value
 
 
 def _without_double_bos(vocab: ffi.Vocab, tokens: list[int]) -> list[int]:

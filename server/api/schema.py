@@ -17,6 +17,7 @@ MAX_MESSAGES = 2048  # as OpenAI
 MAX_CACHE_SALT = 256
 MAX_GRAMMAR_CHARS = 256 * 1024  # a GBNF grammar, or a JSON schema as JSON text
 MAX_LOGIT_BIAS = 300
+MAX_TOOLS = 128  # as OpenAI
 MAX_TOKEN_ID_DIGITS = 10  # token ids are int32
 
 
@@ -29,10 +30,26 @@ class TextPart(_Request):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionCall(_Request):
+    name: FunctionName
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # tool
 
     def text(self) -> str:
         """The content as one string; raises ``ValueError`` naming a part we cannot take."""
@@ -133,9 +150,33 @@ class CommonFields(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class FunctionDef(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(CommonFields):
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(CommonFields):
@@ -156,9 +197,21 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -56,6 +56,16 @@ class ChunkFramer:
     def text(self, text: str) -> bytes:
         return b"data: " + self._choice_head + _dumps(text).encode() + self._choice_tail
 
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        """A chat chunk with any ``delta`` (tool-call deltas, for one)."""
+        return (
+            b"data: "
+            + self._head.encode()
+            + b',"choices":[{"index":0,"delta":'
+            + _dumps(delta).encode()
+            + b',"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
     def finish(self, reason: str) -> bytes:
         choice = '{"index":0,"delta":{},' if self.chat else '{"index":0,"text":"",'
         return f'data: {self._head},"choices":[{choice}"logprobs":null,"finish_reason":"{reason}"}}]}}\n\n'.encode()

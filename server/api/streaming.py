@@ -44,7 +44,7 @@ import trio
 from hypercorn.protocol.h11 import H11Protocol
 from quart import Response
 
-from server.api import sse
+from server.api import sse, tools
 from server.api.prepare import Prepared
 from server.api.trace import Trace, usage_payload
 from server.engine import Engine, EngineError, Piece, PieceSink
@@ -69,16 +69,20 @@ PROBE_INTERVAL = 0.1
 
 
 class _Probe:
-    """Whether to probe the client, and the wait to cut short when that starts."""
+    """Probing a client that ended its input: a ping written at once (the connection then
+    looks for a reset), later ones from the body's wait, which ``start`` cuts short."""
 
-    __slots__ = ("active", "scope")
+    __slots__ = ("active", "scope", "write")
 
     def __init__(self) -> None:
         self.active = False
         self.scope: trio.CancelScope | None = None
+        self.write: Callable[[bytes], bool] | None = None  # once the body is being sent
 
     def start(self) -> None:
         self.active = True
+        if self.write is not None:
+            self.write(sse.PING)  # a comment: harmless between any two events
         if self.scope is not None:
             self.scope.deadline = -math.inf
 
@@ -108,7 +112,12 @@ async def _sse_body(
             yield framer.role()
         try:
             async with engine.submit(prepared.job) as pieces:
-                sink = _direct_sink(connection, framer, trace)
+                # A tool-using answer is translated piece by piece here; others may go directly.
+                # Hypercorn sends the head with the first chunk: only from here on is the body
+                # being sent (for chat; a completion stream has no first chunk yet, so no writer).
+                probe.write = write = _chunk_writer(connection)
+                sink = None if prepared.tools or write is None else _direct_sink(write, framer, trace)
+                answer = _ToolAnswer(framer, prepared.tools) if prepared.tools else _TextAnswer(framer)
                 trace.written = trio.current_time()
                 while True:
                     if sink is not None:
@@ -129,10 +138,11 @@ async def _sse_body(
                         continue
                     trace.piece(piece)
                     if piece.text:
-                        yield framer.text(piece.text)
+                        for chunk in answer.feed(piece.text):
+                            yield chunk
                         trace.written = trio.current_time()
                     if piece.finish_reason:
-                        yield framer.finish(piece.finish_reason)
+                        yield framer.finish(answer.finish_reason(piece.finish_reason))
                         if prepared.include_usage and piece.usage is not None:
                             yield framer.usage(usage_payload(piece.usage))
         except EngineError as exc:
@@ -146,14 +156,51 @@ async def _sse_body(
         trace.log()
 
 
-def _direct_sink(connection: Connection | None, framer: sse.ChunkFramer, trace: Trace) -> PieceSink | None:
+class _TextAnswer:
+    """An answer streamed as it is: each piece one content delta."""
+
+    def __init__(self, framer: sse.ChunkFramer) -> None:
+        self._framer = framer
+
+    def feed(self, text: str) -> tuple[bytes, ...]:
+        return (self._framer.text(text),)
+
+    def finish_reason(self, reason: str) -> str:
+        return reason
+
+
+class _ToolAnswer:
+    """A tool-using answer (``api/tools.py``) as OpenAI streams it: response text as content
+    deltas, each call as a first delta with its index, id, type and name (arguments "") and
+    then its arguments' JSON text in fragments."""
+
+    def __init__(self, framer: sse.ChunkFramer, scheme: str) -> None:
+        self._framer = framer
+        self._parser = tools.NativeAnswerParser() if scheme == "native" else tools.AnswerParser()
+
+    def feed(self, text: str) -> list[bytes]:
+        chunks: list[bytes] = []
+        for event in self._parser.feed(text):
+            if isinstance(event, tools.Content):
+                chunks.append(self._framer.text(event.text))
+            elif isinstance(event, tools.CallStart):
+                start = {"index": event.index, "id": tools.call_id(), "type": "function"}
+                start["function"] = {"name": event.name, "arguments": ""}
+                chunks.append(self._framer.delta({"tool_calls": [start]}))
+            else:
+                fragment = {"index": event.index, "function": {"arguments": event.fragment}}
+                chunks.append(self._framer.delta({"tool_calls": [fragment]}))
+        return chunks
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self._parser.calls and reason == "stop" else reason
+
+
+def _direct_sink(write: Callable[[bytes], bool], framer: sse.ChunkFramer, trace: Trace) -> PieceSink:
     """The sink the engine task calls with each piece of this stream: frame it as an SSE event
     in an HTTP/1.1 chunk and write it without waiting (True), or refuse (False: the socket
     would block or is gone, or it is the last piece, which the body sends with the finish and
-    usage events). None where the response cannot be written directly."""
-    write = _chunk_writer(connection)
-    if write is None:
-        return None
+    usage events)."""
 
     def sink(piece: Piece) -> bool:
         if piece.finish_reason is not None or not write(framer.text(piece.text)):

@@ -27,9 +27,11 @@ window would hold the connection, and its slot of ``max_connections``, for ever.
 the HTTP/2 preface is answered with a GOAWAY (HTTP_1_1_REQUIRED) and the connection closed.
 
 A client that closes its sending side after its request (a half-close: ``nc -N``, some
-proxies) still gets its answer: the end of its input does not end a request in progress.
-``on_peer_closed`` tells the response in progress; a streamed one then probes the client with
-pings, since only a write tells a client that is gone from one that only stopped sending.
+proxies) still gets its answer: the end of its input does not end a request in progress,
+unless a probe shows the client is gone. Only a write tells a client that is gone from one that
+only stopped sending: ``on_peer_closed`` tells the response in progress, a streamed one writes
+a ping at once (and then every ``PROBE_INTERVAL``), and a client that is gone answers it with a
+reset, which ends the request as a disconnect always did.
 
 ``current_connection`` names the connection to the tasks that serve its requests; a streamed
 response uses ``write_nowait`` to write its chunks straight to the socket (the framing, and why
@@ -67,6 +69,11 @@ LINGER_IDLE = 0.5
 LINGER_TOTAL = 5.0
 LINGER_BYTES = 8 * 1024 * 1024
 MAX_RECV = 64 * 1024
+# A client that ends its input while its answer is in progress may be gone or only
+# half-closed: a probe written then (a streamed answer's ping) draws a reset from a client that
+# is gone, which is waited for this long (a loopback round trip is microseconds; a farther
+# client that is gone is noticed at a later write instead).
+PROBE_WAIT = 0.005
 
 
 def _http2_refusal() -> bytes:
@@ -238,16 +245,29 @@ class Connection(TCPServer):
                 if not data:
                     self._peer_closed = True
                     if self._on_peer_closed is not None:
-                        self._on_peer_closed()
-                    if self._idle_since is None:
-                        # A request is in progress: it is answered, then the protocol closes
-                        # the connection (the client can send no next request).
+                        self._on_peer_closed()  # a streamed answer writes a probe now
+                    if self._idle_since is None and not await self._reset_after_probe():
+                        # A half-close with a request in progress: it is answered, then the
+                        # protocol closes the connection (no next request can come).
                         return
                     break
         except _HTTP2Refused:
             await self._write(HTTP2_REFUSAL)
             logger.info("refused an HTTP/2 connection (this server speaks HTTP/1.1 only)")
         await self.protocol.handle(Closed())
+
+    async def _reset_after_probe(self) -> bool:
+        """Whether the client answered a probe written at its end of input with a reset (it
+        is gone, not half-closed), waiting at most ``PROBE_WAIT`` for it."""
+        if self._socket is None:
+            return False
+        deadline = trio.current_time() + PROBE_WAIT
+        while True:
+            if self._socket.fileno() < 0 or self._socket.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                return True
+            if trio.current_time() >= deadline:
+                return False
+            await trio.sleep(PROBE_WAIT / 10)
 
     async def _check_protocol(self, event: h11.Request) -> None:
         if event.method == b"PRI" and event.http_version == b"2.0":

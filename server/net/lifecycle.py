@@ -69,9 +69,13 @@ class Server:
         self.settings = settings
         # The listener first: a busy port fails before anything expensive happens.
         self.sock = sock or open_listener(settings.host, settings.port, reuse_port=settings.reuse_port)
-        self.port = bound_port(self.sock)
-        self.state = ServerState(settings)
-        self.app = create_app(state=self.state)
+        try:
+            self.port = bound_port(self.sock)
+            self.state = ServerState(settings)
+            self.app = create_app(state=self.state)
+        except BaseException:
+            self.sock.close()
+            raise
         self.config = hypercorn_config(settings)
         self._stop = trio.Event()
         self._force = trio.Event()

@@ -1,0 +1,269 @@
+"""Tool calls: the pure answer parser, then the whole path through a real server with the
+``openai`` SDK (the default model's template knows no tools: the generic scheme)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+import ffi
+from server.api import tools
+from tests.support.process import ServerProcess
+from tests.support.waiting import wait_for
+
+# -- the answer parser, without a model ---------------------------------------------------------
+
+
+def events_of(pieces: list[str]) -> tuple[str, list[tuple[str, str]], int]:
+    parser = tools.AnswerParser()
+    content, names, arguments = [], [], []
+    for piece in pieces:
+        for event in parser.feed(piece):
+            if isinstance(event, tools.Content):
+                content.append(event.text)
+            elif isinstance(event, tools.CallStart):
+                assert event.index == len(names)
+                names.append(event.name)
+                arguments.append("")
+            else:
+                arguments[event.index] += event.fragment
+    return "".join(content), list(zip(names, arguments, strict=True)), parser.calls
+
+
+CALLS = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris \\"}{[", "n": [1, {"x": 2}]}}, {"name": "add", "arguments": {}}]}'
+RESPONSE = '{"response": "caf\\u00e9 \\ud83d\\ude00 \\"quoted\\"\\n\\\\ done"}'
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_answer_parser_reads_calls_in_any_pieces(size: int) -> None:
+    pieces = [CALLS[i : i + size] for i in range(0, len(CALLS), size)]
+    content, calls, count = events_of(pieces)
+    assert content == "" and count == 2
+    assert calls == [("get_weather", '{"city": "Paris \\"}{[", "n": [1, {"x": 2}]}'), ("add", "{}")]
+    assert json.loads(calls[0][1]) == {"city": 'Paris "}{[', "n": [1, {"x": 2}]}
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_answer_parser_decodes_the_response_in_any_pieces(size: int) -> None:
+    pieces = [RESPONSE[i : i + size] for i in range(0, len(RESPONSE), size)]
+    content, calls, _ = events_of(pieces)
+    assert content == json.loads(RESPONSE)["response"] and calls == []
+
+
+def test_answer_parser_on_an_answer_cut_short() -> None:
+    content, calls, count = events_of([CALLS[: CALLS.index("Paris") + 3]])
+    assert content == ""
+    assert calls == [("get_weather", '{"city": "Par')] and count == 0
+    assert events_of(['{"response": "half \\u00'])[0] == "half "
+
+
+def test_output_schema_follows_tool_choice() -> None:
+    specs = [tools.ToolSpec("a", "", {"type": "object"}), tools.ToolSpec("b", "", {"type": "object"})]
+    either = tools.output_schema(specs, calls_only=False, parallel=True)
+    calls_answer = either["anyOf"][1]
+    assert "maxItems" not in calls_answer["properties"]["tool_calls"]
+    one = tools.output_schema(specs[:1], calls_only=True, parallel=False)
+    assert one["properties"]["tool_calls"]["maxItems"] == 1
+    jsonschema.validate({"tool_calls": [{"name": "a", "arguments": {}}]}, one)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"response": "hi"}, one)
+
+
+# -- through the server ---------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]) as proc:
+        proc.wait_ready()
+        yield proc
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log, proc.log[-5000:]
+
+
+@pytest.fixture(scope="module")
+def sdk(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+        yield client
+
+
+def check_calls(message: Any, allowed: set[str]) -> list[Any]:
+    calls = message.tool_calls or []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return calls
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["auto", "required", "named", "none"])
+def test_each_tool_choice(sdk: openai.OpenAI, choice: str, stream: bool) -> None:
+    tool_choice: Any = {"type": "function", "function": {"name": "add"}} if choice == "named" else choice
+    kwargs: dict[str, Any] = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": tool_choice}
+    kwargs.update(temperature=0, max_tokens=60)
+    if stream and choice in {"required", "named"}:
+        with sdk.chat.completions.stream(**kwargs) as events:  # the SDK's own reassembly
+            choice_ = events.get_final_completion().choices[0]
+    elif stream:  # (the SDK's helper refuses an answer cut by max_tokens, which text may be)
+        choice_ = reassembled(sdk.chat.completions.create(**kwargs, stream=True))
+    else:
+        choice_ = sdk.chat.completions.create(**kwargs).choices[0]
+    if choice == "none":
+        assert not choice_.message.tool_calls and choice_.message.content
+        return
+    allowed = {"add"} if choice == "named" else {"get_weather", "add"}
+    calls = check_calls(choice_.message, allowed)
+    if choice in {"required", "named"}:
+        assert calls and choice_.finish_reason == "tool_calls"
+    if choice == "named":
+        assert len(calls) == 1
+    if not calls:  # auto, answered in text
+        assert choice_.message.content and choice_.finish_reason in {"stop", "length"}
+
+
+def reassembled(chunks: Any) -> Any:
+    """A streamed answer put together by hand: its content, calls and finish reason."""
+    content, calls, finish = [], {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
+            entry["arguments"] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    tool_calls = [
+        openai.types.chat.ChatCompletionMessageToolCall(
+            id=c["id"], type="function", function={"name": c["name"], "arguments": c["arguments"]}
+        )
+        for c in calls.values()
+    ]
+    message = openai.types.chat.ChatCompletionMessage(
+        role="assistant", content="".join(content) or None, tool_calls=tool_calls or None
+    )
+    return openai.types.chat.chat_completion.Choice(index=0, message=message, finish_reason=finish)
+
+
+def test_streamed_deltas_reassemble_into_the_whole_message(sdk: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    kwargs.update(temperature=0, max_tokens=60)
+    whole = sdk.chat.completions.create(**kwargs).choices[0]
+    with sdk.chat.completions.stream(**kwargs) as events:
+        streamed = events.get_final_completion().choices[0]
+    assert streamed.finish_reason == whole.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []
+    ]
+    # And in OpenAI's exact delta shape: the first delta of a call has its id, type and name.
+    raw = sdk.chat.completions.create(**kwargs, stream=True)
+    deltas = [c.choices[0].delta.tool_calls for c in raw if c.choices and c.choices[0].delta.tool_calls]
+    first = deltas[0][0]
+    assert first.id and first.type == "function" and first.function.name and first.function.arguments == ""
+    assert all(d[0].id is None and d[0].function.name is None for d in deltas[1:])
+
+
+def test_parallel_calls_only_when_allowed(sdk: openai.OpenAI, model: ffi.Model) -> None:
+    ask = [{"role": "user", "content": "Call get_weather for Paris and then for Rome, in one answer."}]
+    kwargs: dict[str, Any] = {"model": "m", "messages": ask, "tools": [WEATHER], "tool_choice": "required"}
+    kwargs.update(temperature=0, max_tokens=120, logit_bias={str(t): -100 for t in closing_tokens(model.vocab)})
+    several = check_calls(sdk.chat.completions.create(**kwargs).choices[0].message, {"get_weather"})
+    assert len(several) >= 2
+    single = sdk.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0]
+    assert len(check_calls(single.message, {"get_weather"})) == 1
+    assert single.finish_reason == "tool_calls"
+
+
+def closing_tokens(vocab: ffi.Vocab) -> list[int]:
+    """Tokens that would close the list of calls right after the first one ("}]" and kin), so
+    that the model goes on to a second call where the grammar lets it."""
+    closing = [t for t in range(vocab.n_tokens) if vocab.piece(t).lstrip(b"}").startswith(b"]")]
+    assert len(closing) <= 300
+    return closing
+
+
+def test_round_trip_with_the_tool_result(sdk: openai.OpenAI) -> None:
+    messages: list[Any] = list(ASK)
+    first = sdk.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60
+    ).choices[0]
+    call = first.message.tool_calls[0]  # type: ignore[index]
+    arguments = json.loads(call.function.arguments)
+    result = {"city": arguments.get("city", "?"), "temperature": 18, "unit": arguments.get("unit", "celsius")}
+    messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+    final = sdk.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40
+    ).choices[0]
+    assert final.message.content and not final.message.tool_calls
+
+
+def test_cancelling_mid_call_frees_everything(server: ServerProcess) -> None:
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "stream": True, "max_tokens": 60}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if '"arguments":"{' in line.replace(" ", ""):
+                break  # the call has started: leave
+    wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, "the sequence to be freed", 20)
+    m = server.metrics()
+    assert m["llama_trio_kv_cells_used"] == m["llama_trio_kv_cells_cached"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        (
+            {"tools": [WEATHER, {"type": "function", "function": {"name": "bad", "parameters": {"type": "bogus"}}}]},
+            "tools[1].function.parameters",
+        ),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools"),
+        ({"messages": [*ASK, {"role": "tool", "content": "18 degrees"}]}, "messages[1].tool_call_id"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ],
+    ids=["unknown-choice", "choice-without-tools", "duplicate-name", "bad-parameters", "two-constraints",
+         "tool-without-id", "bad-name"],
+)  # fmt: skip
+def test_malformed_tool_requests_are_400s(server: ServerProcess, body: dict[str, Any], param: str) -> None:
+    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

@@ -1,0 +1,81 @@
+"""Tool calls on a template that knows tools (Hermes/Qwen style): the default model with its
+chat template rewritten in the GGUF file itself (the ``gguf`` package), and the same template
+given with ``--chat-template-file``. The model answers in the template's own syntax, each
+call's JSON constrained by its tool's parameters, and the server turns it into ``tool_calls``."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from server.model_files import default_model_path
+from tests.support.process import ServerProcess
+from tests.test_tools import ASK, SCHEMAS, TOOLS, check_calls, reassembled
+
+TEMPLATE = pathlib.Path(__file__).parent / "data" / "hermes_tools.jinja"
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The default GGUF with its tokenizer.chat_template replaced by the tool-aware one."""
+    out = tmp_path_factory.mktemp("gguf") / "smollm2-tools.gguf"
+    command = [sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--chat-template-file", str(TEMPLATE)]
+    subprocess.run([*command, str(default_model_path()), str(out)], check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module", params=["rewritten-gguf", "template-file"])
+def sdk(request: pytest.FixtureRequest, tool_model: pathlib.Path) -> Iterator[openai.OpenAI]:
+    if request.param == "rewritten-gguf":
+        args = ["--model", str(tool_model)]
+    else:
+        args = ["--chat-template-file", str(TEMPLATE)]
+    with ServerProcess([*args, "--parallel", "2", "--ctx-size", "4096", "--threads", "2"]) as proc:
+        proc.wait_ready()
+        with openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0) as client:
+            yield client
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log, proc.log[-5000:]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_native_calls_are_parsed_from_the_models_own_syntax(sdk: openai.OpenAI, stream: bool) -> None:
+    kwargs: dict[str, Any] = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    kwargs.update(temperature=0, max_tokens=80)
+    if stream:
+        choice = reassembled(sdk.chat.completions.create(**kwargs, stream=True))
+    else:
+        choice = sdk.chat.completions.create(**kwargs).choices[0]
+    calls = check_calls(choice.message, {"get_weather", "add"})
+    assert calls and choice.finish_reason == "tool_calls"
+
+
+def test_native_named_choice_and_round_trip(sdk: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "add"}}
+    first = sdk.chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=60
+    ).choices[0]
+    (call,) = check_calls(first.message, {"add"})
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS["add"])
+    messages: list[Any] = [*ASK, first.message.model_dump(exclude_none=True)]
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": str(arguments["a"] + arguments["b"])})
+    final = sdk.chat.completions.create(
+        model="m", messages=messages, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=30
+    ).choices[0]
+    assert final.message.content and not final.message.tool_calls
+
+
+def test_native_auto_answers_in_text_or_calls(sdk: openai.OpenAI) -> None:
+    choice = sdk.chat.completions.create(model="m", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60).choices[0]
+    calls = check_calls(choice.message, {"get_weather", "add"})
+    if not calls:
+        assert choice.message.content and "<tool_call>" not in choice.message.content
