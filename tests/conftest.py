@@ -30,7 +30,8 @@ def server():
     with ServerProcess(["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]) as proc:
         proc.wait_ready()
         yield proc
-        proc.stop()
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log, proc.log[-5000:]
 
 
 # -- reliability runs: soak length and fuzzing examples (longer runs: raise them) -------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -128,15 +127,6 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "maxItems": 4,
     },
 }
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess(["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]) as proc:
-        proc.wait_ready()
-        yield proc
-        assert proc.stop() == 0
-    assert "Traceback" not in proc.log, proc.log[-5000:]
 
 
 def chat(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:

@@ -109,15 +109,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess(["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]) as proc:
-        proc.wait_ready()
-        yield proc
-        assert proc.stop() == 0
-    assert "Traceback" not in proc.log, proc.log[-5000:]
-
-
-@pytest.fixture(scope="module")
 def sdk(server: ServerProcess) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
         yield client

@@ -49,16 +49,7 @@ class ToolSpec:
 
 def output_schema(tools: Sequence[ToolSpec], *, calls_only: bool, parallel: bool) -> dict[str, Any]:
     """The JSON Schema of an answer: a response or calls (or calls only)."""
-    call_items = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": dict(tool.parameters)},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
-    calls: dict[str, Any] = {"type": "array", "items": {"anyOf": call_items} if len(call_items) > 1 else call_items[0]}
+    calls: dict[str, Any] = {"type": "array", "items": _call_schema(tools)}
     calls["minItems"] = 1
     if not parallel:
         calls["maxItems"] = 1
@@ -77,6 +68,20 @@ def output_schema(tools: Sequence[ToolSpec], *, calls_only: bool, parallel: bool
         "additionalProperties": False,
     }
     return {"anyOf": [response_answer, calls_answer]}
+
+
+def _call_schema(tools: Sequence[ToolSpec]) -> dict[str, Any]:
+    """The JSON Schema of one call: one of the tools by name, with its parameters."""
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, "arguments": dict(tool.parameters)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    return {"anyOf": items} if len(items) > 1 else items[0]
 
 
 def instruction(tools: Sequence[ToolSpec], *, calls_only: bool) -> str:
@@ -149,17 +154,7 @@ def knows_tools(template_source: str) -> bool:
 def native_grammar(tools: Sequence[ToolSpec], *, calls_only: bool, parallel: bool) -> str:
     """A Lark grammar (llguidance's dialect) of a native answer: text without a tool call, or
     calls (only calls with ``calls_only``; one with ``parallel`` false)."""
-    items = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": dict(tool.parameters)},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
-    call_schema = {"anyOf": items} if len(items) > 1 else items[0]
-    call_schema = {**call_schema, "x-guidance": _COMPACT}
+    call_schema = {**_call_schema(tools), "x-guidance": _COMPACT}
     lines = [
         "start: " + ("calls" if calls_only else "TEXT | calls"),
         "calls: call" + (' ("\\n" call)*' if parallel else ""),
