@@ -104,8 +104,9 @@ def instruction(tools: Sequence[ToolSpec], *, calls_only: bool) -> str:
 def conversation(messages: Sequence[Mapping[str, Any]], system_extra: str | None) -> list[dict[str, str]]:
     """``messages`` (role, content, tool_calls, tool_call_id, name) as plain role/content
     messages for a template that knows no tools: an assistant's calls become the JSON it would
-    have answered with, a tool's result a user message that names the call; ``system_extra``
-    (the tool instruction) joins the first system message, or becomes one."""
+    have answered with (a plain account of them when no tools are on offer), a tool's result a
+    user message that names the call; ``system_extra`` (the tool instruction) joins the first
+    system message, or becomes one."""
     names = {}
     out: list[dict[str, str]] = []
     for message in messages:
@@ -115,7 +116,12 @@ def conversation(messages: Sequence[Mapping[str, Any]], system_extra: str | None
             for call in message["tool_calls"]:
                 names[call["id"]] = call["name"]
                 calls.append({"name": call["name"], "arguments": _json_or_text(call["arguments"])})
-            content = json.dumps({CALLS_KEY: calls}, ensure_ascii=False, separators=(", ", ": "))
+            if system_extra is not None:  # the answer's own shape, as the model will write it
+                content = json.dumps({CALLS_KEY: calls}, ensure_ascii=False, separators=(", ", ": "))
+            else:  # no tools on offer now (tool_choice "none"): told, not shown as a format
+                content = "; ".join(
+                    f"(called {c['name']} with {json.dumps(c['arguments'], ensure_ascii=False)})" for c in calls
+                )
         elif role == "assistant" and system_extra is not None:
             content = json.dumps({RESPONSE_KEY: content}, ensure_ascii=False, separators=(", ", ": "))
         elif role == "tool":
