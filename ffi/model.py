@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import weakref
@@ -107,6 +108,13 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def fingerprint(self) -> str:
+        """A short hash of this model and the llama.cpp build running it (its compiled
+        features), stable across restarts of the same pair."""
+        system = ffi.string(lib.llama_print_system_info()).decode("utf-8", "replace")
+        meta = f"{self.description}|{self.size_bytes}|{self.n_params}|{system}"
+        return hashlib.sha256(meta.encode()).hexdigest()[:12]
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.description

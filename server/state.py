@@ -48,6 +48,7 @@ class ServerState:
         self.created = int(time.time())
         self.engine: Engine | None = None
         self.template: ffi.ChatTemplate | None = None
+        self.fingerprint = ""
         self._template_source = _read_template(settings.chat_template_file)
         self.draining = False
         self.load_failed: BaseException | None = None
@@ -55,7 +56,6 @@ class ServerState:
         self._stop = trio.Event()
         self._progress = ffi.ProgressReporter(os.path.basename(self.model_path), logger)
         self.metrics = Metrics(lambda: self.engine.stats if self.engine else None, lambda: self.draining)
-        self.warned_fields: set[str] = set()
         self._grammars: GrammarCache | None = None
         self._grammars_lock = trio.Lock()
 
@@ -102,6 +102,8 @@ class ServerState:
             self.ready.set()
             return
         try:
+            # Changes when the model or the llama.cpp build does (OpenAI's system_fingerprint).
+            self.fingerprint = f"fp_{model.fingerprint()}"
             self.template = ffi.ChatTemplate(
                 self._template_source or model.chat_template,
                 bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else "",

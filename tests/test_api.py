@@ -95,15 +95,18 @@ def test_stop_sequences_and_seed(sdk: openai.OpenAI) -> None:
 
 
 def test_content_as_text_parts(sdk: openai.OpenAI) -> None:
-    parts = [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]
+    # Parts are joined with a newline, as llama-server and vLLM join them.
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the best book?"}]
     a = sdk.chat.completions.create(
         model="x",
         messages=[{"role": "user", "content": parts}],  # type: ignore[list-item]
         max_tokens=8,
         temperature=0,
     )
-    b = sdk.chat.completions.create(model="x", messages=CHAT, max_tokens=8, temperature=0)
+    joined = [{"role": "user", "content": "What is\nthe best book?"}]
+    b = sdk.chat.completions.create(model="x", messages=joined, max_tokens=8, temperature=0)  # type: ignore[arg-type]
     assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage is not None and b.usage is not None and a.usage.prompt_tokens == b.usage.prompt_tokens
 
 
 # -- the wire format ---------------------------------------------------------------------------

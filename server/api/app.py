@@ -176,16 +176,20 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
     async def metrics() -> Response:
         return Response(state.metrics.render(), content_type=CONTENT_TYPE)
 
+    # Each API route also answers without /v1, for clients whose base URL lacks it.
     @app.get("/v1/models")
+    @app.get("/models")
     async def models() -> Response:
         card = schema.ModelCard(id=state.model_id, created=state.created)
         return json_response(schema.ModelList(data=[card]).model_dump())
 
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
     async def chat_completions() -> Response:
         return await complete(state, chat=True)
 
     @app.post("/v1/completions")
+    @app.post("/completions")
     async def completions() -> Response:
         return await complete(state, chat=False)
 

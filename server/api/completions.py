@@ -42,7 +42,9 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
     engine = state.engine
     assert engine is not None
     if prepared.stream:
-        framer = sse.ChunkFramer(chat=chat, id_=id_, created=created, model=state.model_id)
+        framer = sse.ChunkFramer(
+            chat=chat, id_=id_, created=created, model=state.model_id, fingerprint=state.fingerprint
+        )
         return streamed_response(engine, prepared, framer, trace, state.settings.ping_interval)
     texts: list[str] = []
     try:
@@ -69,6 +71,7 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
             id=id_,
             created=created,
             model=state.model_id,
+            system_fingerprint=state.fingerprint,
             choices=[schema.ChatChoice(message=message, finish_reason=finish)],
             usage=usage_info,
         ).model_dump()
@@ -79,6 +82,7 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
             id=id_,
             created=created,
             model=state.model_id,
+            system_fingerprint=state.fingerprint,
             choices=[schema.CompletionChoice(text=text, finish_reason=trace.ending)],
             usage=usage_info,
         ).model_dump()

@@ -7,7 +7,7 @@ import json
 
 from quart import Response
 
-from server.engine import EngineError
+from server.engine import ContextLengthExceeded, EngineError
 
 
 class ApiError(Exception):
@@ -39,6 +39,14 @@ class ApiError(Exception):
     def from_engine(cls, exc: EngineError, *, param: str | None = None) -> ApiError:
         """The answer for a job the engine refused or ended; ``param`` names the request field
         a 400 is about."""
+        if isinstance(exc, ContextLengthExceeded) and exc.limit:
+            # OpenAI's words, which clients match (litellm's ContextWindowExceededError).
+            what = "messages" if param == "messages" else "prompt"
+            message = (
+                f"This model's maximum context length is {exc.limit} tokens. However, your {what} "
+                f"resulted in {exc.tokens} tokens. Please reduce the length of the {what}."
+            )
+            return cls(400, message, param=param, code=exc.code)
         if exc.status == 400:
             return cls(400, str(exc), param=param, code=exc.code)
         headers = {"Retry-After": "1"} if exc.status == 503 else None

@@ -38,9 +38,6 @@ INLINE_BODY_BYTES = 32 * 1024
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 40
 DEFAULT_MIN_P = 0.05
-# Names of unknown request fields logged once each; at most this many, this long, are kept.
-MAX_WARNED_FIELDS = 64
-MAX_FIELD_NAME = 64
 
 
 @dataclass(frozen=True)
@@ -119,19 +116,6 @@ def cache_scope(salt: str | None) -> str:
     return f"{g.get('tenant', '')}:{salt or ''}"
 
 
-def _warn_extra(state: ServerState, req: pydantic.BaseModel) -> None:
-    # Clients choose these names: remember a bounded number of them, each cut short, and log
-    # them quoted (a name may hold newlines).
-    room = MAX_WARNED_FIELDS - len(state.warned_fields)
-    if room <= 0:
-        return
-    extra = {name[:MAX_FIELD_NAME] for name in req.model_extra or {}} - state.warned_fields
-    if extra:
-        names = sorted(extra)[:room]
-        state.warned_fields.update(names)
-        logger.info("ignoring request fields we do not use: %s", ", ".join(map(repr, names)))
-
-
 async def prepare(state: ServerState, *, chat: bool) -> Prepared:
     """The current request as a job for ``state``'s engine.
 
@@ -143,7 +127,11 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
         req = await read_json(schema.ChatCompletionRequest)
     else:
         req = await read_json(schema.CompletionRequest)
-    _warn_extra(state, req)
+    refused = req.unsupported()
+    if refused is not None:
+        name = refused[:64]
+        message = f"{name!r} is not supported by this server"
+        raise ApiError(400, message, param=name, code="unsupported_parameter")
     engine = state.engine
     if state.draining:
         raise ApiError.from_engine(ShuttingDown("server is shutting down"))

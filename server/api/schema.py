@@ -1,8 +1,8 @@
 """The wire schema: pydantic models of requests, responses and errors. No engine imports.
 
-Requests are validated strictly (no "1" for 1, no NaN or infinity); fields that OpenAI
-clients send and we do not use are accepted and ignored (``extra="allow"``), and the app logs
-their names once.
+Requests are validated strictly (no "1" for 1, no NaN or infinity). A request field is either
+implemented (a field below), on ``IGNORABLE_FIELDS`` (it cannot change the answer), or refused
+with a 400 ``unsupported_parameter`` naming it (``unsupported``): never accepted and dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +19,22 @@ MAX_GRAMMAR_CHARS = 256 * 1024  # a GBNF grammar, or a JSON schema as JSON text
 MAX_LOGIT_BIAS = 300
 MAX_TOOLS = 128  # as OpenAI
 MAX_TOKEN_ID_DIGITS = 10  # token ids are int32
+
+
+# Request fields (top level) that do not change the answer, accepted and not used: bookkeeping
+# for the caller or for OpenAI's own storage, caching hints and speed hints.
+IGNORABLE_FIELDS = frozenset(
+    {
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "prediction",  # predicted output: only a speed hint
+    }
+)
 
 
 class _Request(BaseModel):
@@ -66,7 +82,7 @@ class Message(_Request):
             if not isinstance(text, str):
                 raise PartError(i, "a text part needs a string 'text'")
             texts.append(text)
-        return "".join(texts)
+        return "\n".join(texts)  # as llama-server and vLLM join parts
 
 
 class PartError(ValueError):
@@ -113,8 +129,8 @@ class CommonFields(_Request):
     logit_bias: (
         Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)] | None
     ) = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
-    user: str | None = None
+    n: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None  # ignorable: who the caller's user is
     # Prefix-cache scope (as vLLM): requests reuse each other's cached prompt prefixes only
     # with the same salt (and the same API key, when keys are configured).
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
@@ -143,6 +159,16 @@ class CommonFields(_Request):
             if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not do, or None: an unknown
+        field that is not ignorable, or a value of a known one that is not implemented."""
+        for name in self.model_extra or {}:
+            if name not in IGNORABLE_FIELDS:
+                return name
+        if self.n is not None and self.n > 1:
+            return "n"
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -177,10 +203,37 @@ class ChatCompletionRequest(CommonFields):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    modalities: list[str] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not do, or None."""
+        if self.logprobs or self.top_logprobs:
+            return "logprobs" if self.logprobs else "top_logprobs"
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities"
+        return super().unsupported()
 
 
 class CompletionRequest(CommonFields):
     prompt: str
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not do, or None."""
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.echo:
+            return "echo"
+        if self.best_of is not None and self.best_of > 1:
+            return "best_of"
+        if self.suffix:
+            return "suffix"
+        return super().unsupported()
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -226,6 +279,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -242,6 +296,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str
     choices: list[CompletionChoice]
     usage: UsageInfo
 

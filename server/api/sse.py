@@ -29,10 +29,12 @@ class ChunkFramer:
     """Renders the chunks of one stream: chat (``chat.completion.chunk``, text in
     ``delta.content``) or completion (``text_completion``, text in ``text``)."""
 
-    def __init__(self, *, chat: bool, id_: str, created: int, model: str) -> None:
+    def __init__(self, *, chat: bool, id_: str, created: int, model: str, fingerprint: str | None = None) -> None:
         self.chat = chat
         head = {"id": id_, "object": "chat.completion.chunk" if chat else "text_completion", "created": created}
         head["model"] = model
+        if fingerprint is not None:
+            head["system_fingerprint"] = fingerprint
         self._head = _dumps(head)[:-1]  # without the closing brace
         self._choice_head = self._head.encode() + (
             b',"choices":[{"index":0,"delta":{"content":' if chat else b',"choices":[{"index":0,"text":'

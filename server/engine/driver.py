@@ -123,7 +123,9 @@ class Engine:
         if not job.prompt or len(job.prompt) >= self.n_ctx_seq:
             return ContextLengthExceeded(
                 f"the prompt is {len(job.prompt)} tokens; this server's context holds at most "
-                f"{self.n_ctx_seq - 1} prompt tokens per request (plus room to generate)"
+                f"{self.n_ctx_seq - 1} prompt tokens per request (plus room to generate)",
+                tokens=len(job.prompt),
+                limit=self.n_ctx_seq,
             )
         if not self._accepting:
             return ShuttingDown("server is shutting down")

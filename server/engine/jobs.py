@@ -98,10 +98,16 @@ class ShuttingDown(EngineError):
 
 
 class ContextLengthExceeded(EngineError):
-    """The prompt does not fit in one sequence's context."""
+    """The prompt does not fit in one sequence's context: ``tokens`` against ``limit`` (a
+    sequence's context, which must also hold at least one generated token)."""
 
     code = "context_length_exceeded"
     status = 400
+
+    def __init__(self, message: str, *, tokens: int = 0, limit: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.limit = limit
 
 
 class ConstraintFailed(EngineError):
