@@ -150,6 +150,19 @@ class Context:
 
     # -- KV memory, per sequence -------------------------------------------------------------
 
+    def logprobs(self, index: int, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """Log-probabilities at batch ``index`` of the last decode, from its logits row as it is
+        now (a grammar's mask applied there counts): that of ``token``, and the ``k`` (at most
+        20) most likely tokens with theirs, most likely first."""
+        logits = lib.llama_get_logits_ith(self.ptr, index)
+        if logits == ffi.NULL:
+            raise IndexError(f"no logits at batch index {index}")
+        k = max(0, min(k, 20))
+        tokens = ffi.new("int32_t[]", max(k, 1))
+        values = ffi.new("float[]", max(k, 1))
+        chosen = lib.llama_trio_logprobs(logits, self.model.vocab.n_tokens, token, k, tokens, values)
+        return float(chosen), [(int(tokens[j]), float(values[j])) for j in range(k)]
+
     def _memory(self) -> Any:
         self.ptr  # noqa: B018 - raises when closed
         return self._mem

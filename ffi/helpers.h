@@ -107,3 +107,41 @@ static void llama_trio_apply_mask(float *logits, int32_t n, const uint32_t *mask
         }
     }
 }
+
+/* Log-probabilities from one row of logits (a log-softmax; -INFINITY logits, masked tokens,
+ * have probability 0): returns log p(token), and writes the k most likely tokens, most likely
+ * first (the lower index first on ties), with their log-probabilities. k <= 32. */
+static float llama_trio_logprobs(const float *logits, int32_t n, int32_t token, int32_t k, int32_t *top_tokens,
+                                 float *top_logprobs)
+{
+    float max = -INFINITY;
+    for (int32_t i = 0; i < n; i++) {
+        max = logits[i] > max ? logits[i] : max;
+    }
+    double sum = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        sum += expf(logits[i] - max);
+    }
+    float lse = max + (float)log(sum);
+    float values[32];
+    int32_t count = 0;
+    k = k < 32 ? k : 32;
+    for (int32_t i = 0; i < n && k > 0; i++) {
+        float v = logits[i];
+        if (count == k && !(v > values[k - 1])) {
+            continue;
+        }
+        int32_t at = count < k ? count++ : k - 1;
+        while (at > 0 && v > values[at - 1]) {
+            values[at] = values[at - 1];
+            top_tokens[at] = top_tokens[at - 1];
+            at--;
+        }
+        values[at] = v;
+        top_tokens[at] = i;
+    }
+    for (int32_t j = 0; j < count; j++) {
+        top_logprobs[j] = values[j] - lse;
+    }
+    return logits[token] - lse;
+}

@@ -160,6 +160,8 @@ void llama_sampler_free(struct llama_sampler * smpl);
 int32_t llama_trio_greedy(const float * logits, int32_t n, const int32_t * bias_tokens,
                           const float * bias_values, int32_t n_bias);
 void llama_trio_apply_mask(float * logits, int32_t n, const uint32_t * mask);
+float llama_trio_logprobs(const float * logits, int32_t n, int32_t token, int32_t k, int32_t * top_tokens,
+                          float * top_logprobs);
 
 /* callbacks implemented in Python (ffi/_callbacks.py) */
 extern "Python" void _llama_trio_log(enum ggml_log_level, const char *, void *);

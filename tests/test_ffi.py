@@ -289,3 +289,29 @@ def test_builtin_template_fallback() -> None:
     template = ffi.ChatTemplate(None)  # no template in the model: chatml via llama.cpp
     prompt = template.render([{"role": "user", "content": "hi"}])
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_logprobs_match_a_log_softmax_of_the_same_logits(model: ffi.Model, context: ffi.Context) -> None:
+    from ffi._lib import ffi as ffi_c
+    from ffi._lib import lib as lib_c
+
+    prompt = model.vocab.tokenize("The capital of France is", add_special=True)
+    with ffi.Batch(64) as batch:
+        index = batch.add_run(prompt, 0, 0, logits_last=True)
+        context.decode(batch)
+    n = model.vocab.n_tokens
+    row = lib_c.llama_get_logits_ith(context.ptr, index)
+    logits = [float(v) for v in ffi_c.unpack(row, n)]
+    top = max(logits)
+    lse = top + math.log(sum(math.exp(v - top) for v in logits))
+    expected = sorted(range(n), key=lambda t: (-logits[t], t))[:5]
+    for token in (expected[0], expected[3], 7):
+        chosen, alternatives = context.logprobs(index, token, 5)
+        assert chosen == pytest.approx(logits[token] - lse, abs=1e-4)
+        assert [t for t, _ in alternatives] == expected
+        assert [lp for _, lp in alternatives] == pytest.approx([logits[t] - lse for t in expected], abs=1e-4)
+    assert sum(math.exp(lp) for _, lp in context.logprobs(index, 0, 20)[1]) <= 1.0
+    assert context.logprobs(index, expected[0], 0)[1] == []
+    # A token masked to -inf has probability 0.
+    row[7] = float("-inf")
+    assert context.logprobs(index, 7, 1)[0] == float("-inf")

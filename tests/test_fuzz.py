@@ -494,14 +494,17 @@ def test_jinja_in_content_is_text(fuzz_server: ServerProcess, fuzzer: Fuzzer, mo
     assert chat.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["text"]
 
 
-def test_unknown_field_names_are_logged_quoted_and_bounded(fuzz_server: ServerProcess, fuzzer: Fuzzer) -> None:
-    """Unknown field names are logged once each; clients choose them, so the server keeps only
-    a bounded number, cut short, and a newline in one cannot forge a log line."""
+def test_unknown_field_names_are_refused_bounded_and_never_forge_a_log_line(
+    fuzz_server: ServerProcess, fuzzer: Fuzzer
+) -> None:
+    """An unknown field is a 400 unsupported_parameter naming it; clients choose the names, so
+    the answer carries it cut short, and a newline in one cannot forge a log line."""
     for i in range(80):
         name = f"evil-{i}\nINJECTED " + "x" * 5000
         response = fuzzer.client.post(COMPLETION_PATH, json={"prompt": "Hi", "max_tokens": 1, name: 1})
-        assert response.status_code == 200, response.text
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "unsupported_parameter" and error["param"] == name[:64]
     lines = fuzz_server.log.splitlines()
     assert not any(line.startswith("INJECTED") for line in lines)
-    assert fuzz_server.log.count("evil-") <= 64
     assert "x" * 100 not in fuzz_server.log

@@ -14,55 +14,58 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from server.api.schema import IGNORABLE_FIELDS, ChatCompletionRequest, CompletionRequest
 from tests.support import sse
-from tests.support.process import ServerProcess
+from tests.support.process import NO_END_TOKENS, ServerProcess
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
-# A value for each SDK field that asks for what the field does (refused ones must say so).
+# A value for each field the openai SDK can send, one that asks for what the field does.
 VALUES: dict[str, Any] = {
     "audio": {"voice": "alloy", "format": "wav"},
+    "best_of": 2,
+    "echo": True,
+    "frequency_penalty": 0.5,
     "function_call": "auto",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
+    "logit_bias": {"42": 1},
     "logprobs": True,
+    "max_completion_tokens": 4,
+    "max_tokens": 4,
     "metadata": {"k": "v"},
     "modalities": ["text", "audio"],
+    "model": "x",
     "moderation": {"mode": "strict"},
     "n": 2,
+    "parallel_tool_calls": True,
     "prediction": {"type": "content", "content": "Red, green, blue."},
+    "presence_penalty": 0.5,
     "prompt_cache_key": "k",
     "prompt_cache_options": {"x": 1},
     "prompt_cache_retention": "24h",
     "reasoning_effort": "high",
-    "safety_identifier": "u1",
-    "service_tier": "auto",
-    "store": True,
-    "top_logprobs": 3,
-    "verbosity": "low",
-    "web_search_options": {},
-    "best_of": 2,
-    "echo": True,
-    "suffix": "!",
-}
-# Fields implemented here with the values OpenAI documents (the SDK walk sends these as they are).
-IMPLEMENTED_VALUES: dict[str, Any] = {
-    "frequency_penalty": 0.5,
-    "logit_bias": {"42": 1},
-    "max_completion_tokens": 4,
-    "max_tokens": 4,
-    "model": "x",
-    "parallel_tool_calls": True,
-    "presence_penalty": 0.5,
     "response_format": {"type": "text"},
+    "safety_identifier": "u1",
     "seed": 1,
+    "service_tier": "auto",
     "stop": ["\n\n"],
+    "store": True,
     "stream_options": {"include_usage": True},
+    "suffix": "!",
     "temperature": 0.5,
     "tool_choice": "none",
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "top_logprobs": 3,
     "top_p": 0.9,
     "user": "u1",
-    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "verbosity": "low",
+    "web_search_options": {},
 }
 # Where the legacy endpoint's field takes another form.
 COMPLETION_VALUES: dict[str, Any] = {"logprobs": 2}
+# What this server refuses, with those values; everything else is implemented or ignorable.
+REFUSED = {
+    "chat": {"audio", "function_call", "functions", "modalities", "moderation", "n", "reasoning_effort",
+             "verbosity", "web_search_options"},
+    "completion": {"best_of", "echo", "n", "suffix"},
+}  # fmt: skip
 
 
 def sdk_fields(params: Any) -> list[str]:
@@ -70,26 +73,27 @@ def sdk_fields(params: Any) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("path", "name", "implemented"),
-    [("/v1/chat/completions", name, ChatCompletionRequest) for name in sdk_fields(chat_create_params)]
-    + [("/v1/completions", name, CompletionRequest) for name in sdk_fields(completion_create_params)],
+    ("kind", "name"),
+    [("chat", name) for name in sdk_fields(chat_create_params)]
+    + [("completion", name) for name in sdk_fields(completion_create_params)],
 )
-def test_every_sdk_field_is_implemented_ignorable_or_refused(
-    server: ServerProcess, path: str, name: str, implemented: type
-) -> None:
-    base: dict[str, Any] = {"messages": CHAT} if "chat" in path else {"prompt": "Colors:"}
+def test_every_sdk_field_is_implemented_ignorable_or_refused(server: ServerProcess, kind: str, name: str) -> None:
+    chat = kind == "chat"
+    base: dict[str, Any] = {"messages": CHAT} if chat else {"prompt": "Colors:"}
     base.update(max_tokens=4, temperature=0)
-    value = (COMPLETION_VALUES.get(name) if "chat" not in path else None) or VALUES.get(
-        name, IMPLEMENTED_VALUES.get(name)
-    )
+    value = VALUES.get(name) if chat else COMPLETION_VALUES.get(name, VALUES.get(name))
     assert value is not None, f"no test value for the SDK's new field {name!r}: decide what it is"
     if name == "tool_choice":
-        base["tools"] = [{"type": "function", "function": {"name": "f"}}]
+        base["tools"] = VALUES["tools"]
+    if name == "top_logprobs":
+        base["logprobs"] = True
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     response = httpx.post(server.url + path, json={**base, name: value}, timeout=60)
-    if name in IGNORABLE_FIELDS or (name in implemented.model_fields and name not in VALUES):
+    model = ChatCompletionRequest if chat else CompletionRequest
+    if name not in REFUSED[kind]:
+        assert name in model.model_fields or name in IGNORABLE_FIELDS, name
         assert response.status_code == 200, (name, response.text)
         return
-    # Not implemented with this value: refused, naming the field.
     assert response.status_code == 400, (name, response.text)
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("unsupported_parameter", name), error
@@ -135,3 +139,69 @@ def test_routes_answer_without_v1(server: ServerProcess) -> None:
         "POST", server.url + "/chat/completions", json={"messages": CHAT, "max_tokens": 4, "stream": True}
     ) as response:
         assert sse.parse(response.read(), kind="chat").finish_reasons
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+
+
+def test_chat_logprobs_streamed_and_not(server: ServerProcess, model: Any) -> None:
+    kwargs: dict[str, Any] = {"model": "x", "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    kwargs.update(logprobs=True, top_logprobs=3, logit_bias=NO_END_TOKENS)
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    content = whole.logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 8
+    assert "".join(entry.token for entry in content) == whole.message.content
+    for entry in content:
+        assert bytes(entry.bytes or []) == entry.token.encode()
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        # Greedy: the token taken is the likeliest one; the list runs from most likely down.
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_logprobs_legacy_shape(server: ServerProcess) -> None:
+    body = {"prompt": "Colors:", "max_tokens": 6, "temperature": 0, "logprobs": 2, "logit_bias": NO_END_TOKENS}
+    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 6
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(logprob) and token in top
+    # Streamed, the same numbers piece by piece.
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        chunks = sse.parse(response.read(), kind="completion").chunks
+    streamed = [
+        t
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for t in c["choices"][0]["logprobs"]["token_logprobs"]
+    ]
+    assert streamed == pytest.approx(lp["token_logprobs"])
+
+
+def test_logprobs_under_a_grammar_describe_what_it_allowed(server: ServerProcess) -> None:
+    body = {
+        "messages": CHAT,
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {"enum": ["red", "blue"]}}},
+    }
+    choice = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    first = choice["logprobs"]["content"][0]
+    # Only '"' may open the answer: it has all the probability, and nothing else is listed.
+    assert first["token"].startswith('"') and first["logprob"] == pytest.approx(0.0, abs=1e-4)
+    assert all(alt["logprob"] > -9999 for alt in first["top_logprobs"])
+    assert (
+        "top_logprobs"
+        in httpx.post(
+            server.url + "/v1/chat/completions", json={"messages": CHAT, "top_logprobs": 2}, timeout=60
+        ).json()["error"]["param"]
+    )

@@ -10,13 +10,13 @@ from typing import Any
 
 from quart import Response, request
 
-from server.api import schema, sse
+from server.api import logprobs, schema, sse
 from server.api.errors import ApiError
 from server.api.prepare import prepare
 from server.api.streaming import streamed_response
 from server.api.tools import call_id, read_answer
 from server.api.trace import Trace, usage_payload
-from server.engine import EngineError
+from server.engine import EngineError, TokenLogprob
 from server.state import ServerState
 
 
@@ -47,11 +47,15 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
         )
         return streamed_response(engine, prepared, framer, trace, state.settings.ping_interval)
     texts: list[str] = []
+    token_logprobs: list[TokenLogprob] = []
+    pieces_logprobs: list[tuple[tuple[TokenLogprob, ...], str]] = []
     try:
         async with engine.submit(prepared.job) as pieces:
             async for piece in pieces:
                 trace.piece(piece)
                 texts.append(piece.text)
+                token_logprobs += piece.logprobs
+                pieces_logprobs.append((piece.logprobs, piece.text))
     except EngineError as exc:
         trace.status, trace.ending = exc.status, exc.code
         trace.log()
@@ -65,14 +69,18 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
     text = "".join(texts)
     usage_info = schema.UsageInfo.model_validate(usage_payload(usage))
     payload: dict[str, Any]
+    token_bytes = engine.vocab.piece
     if chat:
         message, finish = _assistant_message(text, trace.ending, tools=prepared.tools)
+        chat_logprobs = None
+        if prepared.logprobs:
+            chat_logprobs = {"content": logprobs.chat_content(token_logprobs, token_bytes), "refusal": None}
         payload = schema.ChatCompletion(
             id=id_,
             created=created,
             model=state.model_id,
             system_fingerprint=state.fingerprint,
-            choices=[schema.ChatChoice(message=message, finish_reason=finish)],
+            choices=[schema.ChatChoice(message=message, finish_reason=finish, logprobs=chat_logprobs)],
             usage=usage_info,
         ).model_dump()
         if message.tool_calls is None:
@@ -83,7 +91,13 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
             created=created,
             model=state.model_id,
             system_fingerprint=state.fingerprint,
-            choices=[schema.CompletionChoice(text=text, finish_reason=trace.ending)],
+            choices=[
+                schema.CompletionChoice(
+                    text=text,
+                    finish_reason=trace.ending,
+                    logprobs=logprobs.completion_whole(pieces_logprobs, token_bytes) if prepared.logprobs else None,
+                )
+            ],
             usage=usage_info,
         ).model_dump()
     return json_response(payload)

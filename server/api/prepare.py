@@ -51,6 +51,7 @@ class Prepared:
     # The answer is a response or tool calls (``api/tools.py``) to translate: "generic" (JSON)
     # or "native" (the template's own syntax); None: plain text.
     tools: Literal["generic", "native"] | None = None
+    logprobs: bool = False  # the answer reports its tokens' log-probabilities
 
     @property
     def prompt_param(self) -> str:
@@ -175,6 +176,7 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
     ceiling = state.settings.max_tokens
     if ceiling is not None:
         max_tokens = min(max_tokens or ceiling, ceiling)
+    logprobs = _logprobs_wanted(req)
     job = Job(
         tokens,
         sampling_params(req, vocab.n_tokens),
@@ -182,6 +184,7 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
         stop=req.stop_list(),
         cache_scope=cache_scope(req.cache_salt),
         grammar=await output_grammar(state, req, use),
+        logprobs=logprobs,
     )
     error = engine.admission_error(job)
     if error is not None:
@@ -190,7 +193,16 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
     scheme: Literal["generic", "native"] | None = None
     if use is not None and use.constrained:
         scheme = "native" if use.native else "generic"
-    return Prepared(job, req.stream, include_usage, chat, tools=scheme)
+    return Prepared(job, req.stream, include_usage, chat, tools=scheme, logprobs=logprobs is not None)
+
+
+def _logprobs_wanted(req: schema.ChatCompletionRequest | schema.CompletionRequest) -> int | None:
+    """How many alternatives to report with each token's log-probability; None: no logprobs."""
+    if isinstance(req, schema.CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def _chat_messages(req: schema.ChatCompletionRequest, use: ToolUse | None) -> list[dict[str, str]]:

@@ -209,8 +209,8 @@ class ChatCompletionRequest(CommonFields):
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""
-        if self.logprobs or self.top_logprobs:
-            return "logprobs" if self.logprobs else "top_logprobs"
+        if self.logprobs and self.tools and self.tool_choice != "none":
+            return "logprobs"  # of a tool-using answer, whose text is not what is generated
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities"
         return super().unsupported()
@@ -225,8 +225,6 @@ class CompletionRequest(CommonFields):
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""
-        if self.logprobs is not None:
-            return "logprobs"
         if self.echo:
             return "echo"
         if self.best_of is not None and self.best_of > 1:
@@ -270,7 +268,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str
 
 
@@ -287,7 +285,7 @@ class ChatCompletion(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str
 
 

@@ -55,8 +55,13 @@ class ChunkFramer:
             )
         )
 
-    def text(self, text: str) -> bytes:
-        return b"data: " + self._choice_head + _dumps(text).encode() + self._choice_tail
+    def text(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        """A chunk of new text (and, when given, its tokens' log-probabilities)."""
+        if logprobs is None:
+            return b"data: " + self._choice_head + _dumps(text).encode() + self._choice_tail
+        choice = {"index": 0, "delta": {"content": text}} if self.chat else {"index": 0, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=None)
+        return b"data: " + self._head.encode() + b',"choices":[' + _dumps(choice).encode() + b"]}\n\n"
 
     def delta(self, delta: dict[str, Any]) -> bytes:
         """A chat chunk with any ``delta`` (tool-call deltas, for one)."""

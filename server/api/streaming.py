@@ -37,14 +37,15 @@ re-arms the sink, so backpressure (the sequence pauses) and the write timeout wo
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
 
 import h11
 import trio
 from hypercorn.protocol.h11 import H11Protocol
 from quart import Response
 
-from server.api import sse, tools
+from server.api import logprobs, sse, tools
 from server.api.prepare import Prepared
 from server.api.trace import Trace, usage_payload
 from server.engine import Engine, EngineError, Piece, PieceSink
@@ -116,8 +117,15 @@ async def _sse_body(
                 # Hypercorn sends the head with the first chunk: only from here on is the body
                 # being sent (for chat; a completion stream has no first chunk yet, so no writer).
                 probe.write = write = _chunk_writer(connection)
-                sink = None if prepared.tools or write is None else _direct_sink(write, framer, trace)
-                answer = _ToolAnswer(framer, prepared.tools) if prepared.tools else _TextAnswer(framer)
+                direct = write is not None and not prepared.tools and not prepared.logprobs
+                sink = _direct_sink(write, framer, trace) if direct and write is not None else None
+                answer: _Answer
+                if prepared.tools:
+                    answer = _ToolAnswer(framer, prepared.tools)
+                elif prepared.logprobs:
+                    answer = _LogprobAnswer(framer, engine.vocab.piece)
+                else:
+                    answer = _TextAnswer(framer)
                 trace.written = trio.current_time()
                 while True:
                     if sink is not None:
@@ -137,9 +145,10 @@ async def _sse_body(
                             yield sse.PING
                         continue
                     trace.piece(piece)
-                    if piece.text:
-                        for chunk in answer.feed(piece.text):
-                            yield chunk
+                    chunks = answer.feed(piece)
+                    for chunk in chunks:
+                        yield chunk
+                    if chunks:
                         trace.written = trio.current_time()
                     if piece.finish_reason:
                         yield framer.finish(answer.finish_reason(piece.finish_reason))
@@ -156,17 +165,43 @@ async def _sse_body(
         trace.log()
 
 
+class _Answer(Protocol):
+    """How an answer's pieces become chunks, and what its finish reason is called."""
+
+    def feed(self, piece: Piece) -> Sequence[bytes]: ...
+
+    def finish_reason(self, reason: str) -> str: ...
+
+
 class _TextAnswer:
-    """An answer streamed as it is: each piece one content delta."""
+    """An answer streamed as it is: each piece with text one content delta."""
 
     def __init__(self, framer: sse.ChunkFramer) -> None:
         self._framer = framer
 
-    def feed(self, text: str) -> tuple[bytes, ...]:
-        return (self._framer.text(text),)
+    def feed(self, piece: Piece) -> Sequence[bytes]:
+        return (self._framer.text(piece.text),) if piece.text else ()
 
     def finish_reason(self, reason: str) -> str:
         return reason
+
+
+class _LogprobAnswer(_TextAnswer):
+    """Each piece one chunk with its text and its tokens' log-probabilities."""
+
+    def __init__(self, framer: sse.ChunkFramer, token_bytes: logprobs.TokenBytes) -> None:
+        super().__init__(framer)
+        self._token_bytes = token_bytes
+        self._completion = logprobs.CompletionLogprobs(token_bytes)
+
+    def feed(self, piece: Piece) -> Sequence[bytes]:
+        if not piece.text and not piece.logprobs:
+            return ()
+        if self._framer.chat:
+            payload = {"content": logprobs.chat_content(piece.logprobs, self._token_bytes), "refusal": None}
+        else:
+            payload = self._completion.payload(piece.logprobs, piece.text)
+        return (self._framer.text(piece.text, logprobs=payload),)
 
 
 class _ToolAnswer:
@@ -178,9 +213,9 @@ class _ToolAnswer:
         self._framer = framer
         self._parser = tools.NativeAnswerParser() if scheme == "native" else tools.AnswerParser()
 
-    def feed(self, text: str) -> list[bytes]:
+    def feed(self, piece: Piece) -> Sequence[bytes]:
         chunks: list[bytes] = []
-        for event in self._parser.feed(text):
+        for event in self._parser.feed(piece.text):
             if isinstance(event, tools.Content):
                 chunks.append(self._framer.text(event.text))
             elif isinstance(event, tools.CallStart):

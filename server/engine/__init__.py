@@ -25,6 +25,7 @@ from server.engine.jobs import (
     Piece,
     PieceSink,
     ShuttingDown,
+    TokenLogprob,
     Usage,
 )
 from server.engine.request import Pieces
@@ -45,6 +46,7 @@ __all__ = [
     "PieceSink",
     "Pieces",
     "ShuttingDown",
+    "TokenLogprob",
     "Usage",
     "open_engine",
 ]

@@ -325,16 +325,18 @@ class Engine:
                 grammar_done=request.matcher is not None and request.matcher.done,
             )
             tokens = () if end_of_generation else (token,)
+            logprobs = (request.logprob,) if request.logprob is not None and tokens else ()
+            request.logprob = None
             if verdict.finish is None:
                 request.pending = token
-                if verdict.text:
-                    self._queue_piece(request, Piece(verdict.text, tokens))
+                if verdict.text or logprobs:
+                    self._queue_piece(request, Piece(verdict.text, tokens, logprobs=logprobs))
                 continue
             text = verdict.text
             if verdict.release_held:
                 text += scheduler.release_held(request.stops, detok.flush())
             usage = Usage(len(request.job.prompt), request.n_generated, request.cached_tokens)
-            self._queue_piece(request, Piece(text, tokens, verdict.finish, usage), last=True)
+            self._queue_piece(request, Piece(text, tokens, verdict.finish, usage, logprobs), last=True)
             request.phase = None
             self.stats.requests_finished += 1
             self._free_slot(slot, keep_cache=True)

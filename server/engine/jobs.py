@@ -30,6 +30,9 @@ class Job:
     # Constrained decoding: every token is one the grammar allows, and the grammar reaching its
     # end finishes the job ("stop"). None: unconstrained (and no cost).
     grammar: Grammar | None = None
+    # Log-probabilities of each generated token and of this many likeliest alternatives (0-20);
+    # None: none computed (and no cost).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -43,15 +46,28 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's distribution at that step (before
+    logit_bias, penalties, temperature and the top-k/top-p/min-p filters; under a grammar,
+    among the tokens it allowed), and the likeliest tokens there with theirs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(frozen=True)
 class Piece:
-    """A delivery to a reader: new text and the tokens behind it. The last piece of a job has
-    ``finish_reason`` ("stop" or "length") and ``usage``; the others have neither."""
+    """A delivery to a reader: new text and the tokens behind it (with their log-probabilities
+    when the job asked). The last piece of a job has ``finish_reason`` ("stop" or "length") and
+    ``usage``; the others have neither."""
 
     text: str
     tokens: tuple[int, ...]
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class PieceSink(Protocol):

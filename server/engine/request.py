@@ -13,7 +13,7 @@ import trio
 
 import ffi
 from server.engine.constraint import Matcher
-from server.engine.jobs import EngineError, Job, Phase, Piece, PieceSink
+from server.engine.jobs import EngineError, Job, Phase, Piece, PieceSink, TokenLogprob
 from server.engine.scheduler import StopMatcher
 
 
@@ -41,6 +41,7 @@ class Request:
         "sink",
         "matcher",
         "failure",
+        "logprob",
     )
 
     def __init__(self, job: Job, channel_size: int) -> None:
@@ -67,6 +68,7 @@ class Request:
         self.sink: PieceSink | None = None
         self.matcher: Matcher | None = None  # the job's place in its grammar, once admitted
         self.failure: EngineError | None = None  # set in the decode thread: end the job with it
+        self.logprob: TokenLogprob | None = None  # of the token just sampled, when the job asks
 
 
 class Slot:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import ffi
 from server.engine.constraint import GrammarError
-from server.engine.jobs import ConstraintFailed
+from server.engine.jobs import ConstraintFailed, TokenLogprob
 from server.engine.request import Slot
 from server.engine.scheduler import PlanEntry
 
@@ -75,12 +75,18 @@ def run_step(
         request = slot.request
         assert request is not None and request.sampler is not None
         matcher = request.matcher
+        wanted = request.job.logprobs
         if matcher is None:
-            out.append((slot, request.sampler.sample(context, index)))
+            token = request.sampler.sample(context, index)
+            if wanted is not None:
+                request.logprob = TokenLogprob(token, *_logprobs(context, index, token, wanted))
+            out.append((slot, token))
             continue
         started = time.perf_counter()
         matcher.fill_mask(mask)
         token = request.sampler.sample(context, index, mask)
+        if wanted is not None:  # the row is masked now: the grammar's distribution
+            request.logprob = TokenLogprob(token, *_logprobs(context, index, token, wanted))
         try:
             matcher.consume(token)
         except GrammarError as exc:
@@ -89,3 +95,8 @@ def run_step(
         constrained += 1
         out.append((slot, token))
     return StepResult(out, decode_seconds, constrained, constraint_seconds)
+
+
+def _logprobs(context: ffi.Context, index: int, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    chosen, top = context.logprobs(index, token, k)
+    return chosen, tuple(top)
