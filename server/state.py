@@ -133,4 +133,13 @@ class ServerState:
             model.close()
 
     def _load_model(self) -> ffi.Model:
-        return ffi.Model(self.model_path, progress=self._progress)
+        model = ffi.Model(self.model_path, progress=self._progress)
+        try:
+            # One pass over the vocabulary each, here in the loading thread rather than on the
+            # event loop at the first request that needs them.
+            model.vocab.control_pattern  # noqa: B018
+            model.vocab.eog_tokens  # noqa: B018
+        except BaseException:
+            model.close()
+            raise
+        return model
