@@ -335,3 +335,20 @@ async def test_prefix_reuse(model: ffi.Model) -> None:
     assert cold.cached_tokens == 0
     assert warm.cached_tokens >= 190
     assert warm.tokens == cold.tokens
+
+
+async def test_n_choices_copy_the_prompt_and_free_every_sequence(model: ffi.Model, engine: Engine) -> None:
+    greedy_one = await collect(engine, job(model, PROMPTS[0], 12))
+    pieces_by_choice: dict[int, list[Piece]] = {0: [], 1: [], 2: []}
+    three = Job(prompt=model.vocab.tokenize(PROMPTS[0]), sampling=GREEDY, max_tokens=12, n=3)
+    async with engine.submit(three) as pieces:
+        async for piece in pieces:
+            pieces_by_choice[piece.index].append(piece)
+    for index, received in pieces_by_choice.items():
+        assert "".join(p.text for p in received) == greedy_one.text, index  # greedy: all alike
+        finals = [p for p in received if p.finish_reason]
+        assert len(finals) == 1 and finals[0].usage is not None
+        assert finals[0].usage.prompt_tokens == len(job(model, PROMPTS[0]).prompt)
+    await settle(engine)
+    assert engine.stats.active == 0
+    assert engine.stats.kv_cells_used == engine.stats.kv_cells_cached

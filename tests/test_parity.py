@@ -15,6 +15,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 from server.api.schema import IGNORABLE_FIELDS, ChatCompletionRequest, CompletionRequest
 from tests.support import sse
 from tests.support.process import NO_END_TOKENS, ServerProcess
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 # A value for each field the openai SDK can send, one that asks for what the field does.
@@ -62,9 +63,9 @@ VALUES: dict[str, Any] = {
 COMPLETION_VALUES: dict[str, Any] = {"logprobs": 2}
 # What this server refuses, with those values; everything else is implemented or ignorable.
 REFUSED = {
-    "chat": {"audio", "function_call", "functions", "modalities", "moderation", "n", "reasoning_effort",
+    "chat": {"audio", "function_call", "functions", "modalities", "moderation", "reasoning_effort",
              "verbosity", "web_search_options"},
-    "completion": {"best_of", "echo", "n", "suffix"},
+    "completion": {"best_of", "echo", "suffix"},
 }  # fmt: skip
 
 
@@ -205,3 +206,55 @@ def test_logprobs_under_a_grammar_describe_what_it_allowed(server: ServerProcess
             server.url + "/v1/chat/completions", json={"messages": CHAT, "top_logprobs": 2}, timeout=60
         ).json()["error"]["param"]
     )
+
+
+# -- n choices ----------------------------------------------------------------------------------
+
+
+def test_n_choices_share_the_prompt_and_differ_by_seed(server: ServerProcess) -> None:
+    kwargs: dict[str, Any] = {"model": "x", "messages": CHAT, "max_tokens": 16, "temperature": 1.0, "seed": 7}
+    kwargs["logit_bias"] = NO_END_TOKENS
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        one = client.chat.completions.create(**kwargs)
+        three = client.chat.completions.create(**kwargs, n=3)
+        again = client.chat.completions.create(**kwargs, n=3)
+        chunks = list(
+            client.chat.completions.create(**kwargs, n=3, stream=True, stream_options={"include_usage": True})
+        )
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.message.content for c in three.choices]
+    assert texts == [c.message.content for c in again.choices]  # seeds make each choice reproducible
+    assert texts[0] == one.choices[0].message.content  # choice 0 has the job's own seed
+    assert len(set(texts)) >= 2
+    assert three.usage is not None and one.usage is not None
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert three.usage.completion_tokens == 3 * 16
+    streamed = {i: "" for i in range(3)}
+    finishes = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert [streamed[i] for i in range(3)] == texts
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 48
+
+
+def test_n_choices_for_completions_and_greedy_ones_agree(server: ServerProcess) -> None:
+    body = {"prompt": "Colors:", "max_tokens": 8, "temperature": 0, "n": 2}
+    choices = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"]
+    single = httpx.post(server.url + "/v1/completions", json={**body, "n": 1}, timeout=60).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert choices[0]["text"] == choices[1]["text"] == single[0]["text"]
+
+
+def test_cancelling_n_choices_frees_every_sequence(server: ServerProcess) -> None:
+    body = {"messages": CHAT, "max_tokens": 300, "n": 3, "stream": True, "logit_bias": NO_END_TOKENS}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for seen, _ in enumerate(response.iter_lines()):
+            if seen > 12:
+                break
+    wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, "every choice's sequence to be freed", 20)
+    m = server.metrics()
+    assert m["llama_trio_kv_cells_used"] == m["llama_trio_kv_cells_cached"]

@@ -15,8 +15,8 @@ from server.api.errors import ApiError
 from server.api.prepare import prepare
 from server.api.streaming import streamed_response
 from server.api.tools import call_id, read_answer
-from server.api.trace import Trace, usage_payload
-from server.engine import EngineError, TokenLogprob
+from server.api.trace import Trace, merged_usage, usage_payload
+from server.engine import EngineError, Piece, TokenLogprob, Usage
 from server.state import ServerState
 
 
@@ -46,16 +46,12 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
             chat=chat, id_=id_, created=created, model=state.model_id, fingerprint=state.fingerprint
         )
         return streamed_response(engine, prepared, framer, trace, state.settings.ping_interval)
-    texts: list[str] = []
-    token_logprobs: list[TokenLogprob] = []
-    pieces_logprobs: list[tuple[tuple[TokenLogprob, ...], str]] = []
+    choices = [_Choice() for _ in range(prepared.job.n)]
     try:
         async with engine.submit(prepared.job) as pieces:
             async for piece in pieces:
                 trace.piece(piece)
-                texts.append(piece.text)
-                token_logprobs += piece.logprobs
-                pieces_logprobs.append((piece.logprobs, piece.text))
+                choices[piece.index].add(piece)
     except EngineError as exc:
         trace.status, trace.ending = exc.status, exc.code
         trace.log()
@@ -64,27 +60,31 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
         trace.log()  # cancelled: the client went away
         raise
     trace.log()
-    usage = trace.usage
-    assert usage is not None
-    text = "".join(texts)
-    usage_info = schema.UsageInfo.model_validate(usage_payload(usage))
-    payload: dict[str, Any]
+    usage_info = schema.UsageInfo.model_validate(usage_payload(merged_usage([c.usage for c in choices if c.usage])))
     token_bytes = engine.vocab.piece
+    payload: dict[str, Any]
     if chat:
-        message, finish = _assistant_message(text, trace.ending, tools=prepared.tools)
-        chat_logprobs = None
-        if prepared.logprobs:
-            chat_logprobs = {"content": logprobs.chat_content(token_logprobs, token_bytes), "refusal": None}
+        chat_choices = []
+        for index, choice in enumerate(choices):
+            message, finish = _assistant_message(choice.text, choice.finish, tools=prepared.tools)
+            chat_logprobs = None
+            if prepared.logprobs:
+                content = logprobs.chat_content([t for items, _ in choice.logprobs for t in items], token_bytes)
+                chat_logprobs = {"content": content, "refusal": None}
+            chat_choices.append(
+                schema.ChatChoice(index=index, message=message, finish_reason=finish, logprobs=chat_logprobs)
+            )
         payload = schema.ChatCompletion(
             id=id_,
             created=created,
             model=state.model_id,
             system_fingerprint=state.fingerprint,
-            choices=[schema.ChatChoice(message=message, finish_reason=finish, logprobs=chat_logprobs)],
+            choices=chat_choices,
             usage=usage_info,
         ).model_dump()
-        if message.tool_calls is None:
-            del payload["choices"][0]["message"]["tool_calls"]
+        for entry, choice_ in zip(payload["choices"], chat_choices, strict=True):
+            if choice_.message.tool_calls is None:
+                del entry["message"]["tool_calls"]
     else:
         payload = schema.Completion(
             id=id_,
@@ -93,14 +93,36 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
             system_fingerprint=state.fingerprint,
             choices=[
                 schema.CompletionChoice(
-                    text=text,
-                    finish_reason=trace.ending,
-                    logprobs=logprobs.completion_whole(pieces_logprobs, token_bytes) if prepared.logprobs else None,
+                    index=index,
+                    text=choice.text,
+                    finish_reason=choice.finish,
+                    logprobs=logprobs.completion_whole(choice.logprobs, token_bytes) if prepared.logprobs else None,
                 )
+                for index, choice in enumerate(choices)
             ],
             usage=usage_info,
         ).model_dump()
     return json_response(payload)
+
+
+class _Choice:
+    """One choice of a whole answer, as its pieces come."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.logprobs: list[tuple[tuple[TokenLogprob, ...], str]] = []
+        self.finish = "cancelled"
+        self.usage: Usage | None = None
+
+    def add(self, piece: Piece) -> None:
+        self.texts.append(piece.text)
+        self.logprobs.append((piece.logprobs, piece.text))
+        if piece.finish_reason:
+            self.finish, self.usage = piece.finish_reason, piece.usage
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
 
 
 def _assistant_message(text: str, finish: str, *, tools: str | None) -> tuple[schema.AssistantMessage, str]:

@@ -177,6 +177,10 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
     if ceiling is not None:
         max_tokens = min(max_tokens or ceiling, ceiling)
     logprobs = _logprobs_wanted(req)
+    n = req.n or 1
+    if n > state.settings.parallel:
+        message = f"n is {n}; this server decodes at most {state.settings.parallel} sequences at once (--parallel)"
+        raise ApiError(400, message, param="n", code="invalid_value")
     job = Job(
         tokens,
         sampling_params(req, vocab.n_tokens),
@@ -185,6 +189,7 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
         cache_scope=cache_scope(req.cache_salt),
         grammar=await output_grammar(state, req, use),
         logprobs=logprobs,
+        n=n,
     )
     error = engine.admission_error(job)
     if error is not None:

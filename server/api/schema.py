@@ -166,8 +166,6 @@ class CommonFields(_Request):
         for name in self.model_extra or {}:
             if name not in IGNORABLE_FIELDS:
                 return name
-        if self.n is not None and self.n > 1:
-            return "n"
         return None
 
     def stop_list(self) -> list[str]:
@@ -209,8 +207,13 @@ class ChatCompletionRequest(CommonFields):
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""
-        if self.logprobs and self.tools and self.tool_choice != "none":
-            return "logprobs"  # of a tool-using answer, whose text is not what is generated
+        if self.tools and self.tool_choice != "none":
+            # A tool-using answer's text is not what is generated: no logprobs of it; and one
+            # choice.
+            if self.logprobs:
+                return "logprobs"
+            if self.n is not None and self.n > 1:
+                return "n"
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities"
         return super().unsupported()

@@ -45,23 +45,22 @@ class ChunkFramer:
             else (b',"logprobs":null,"finish_reason":null}]}\n\n')
         )
 
-    def role(self) -> bytes:
-        """The first chat chunk: the assistant role, no content yet."""
-        return (
-            b"data: "
-            + self._head.encode()
-            + (
-                b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
-            )
-        )
+    def role(self, index: int = 0) -> bytes:
+        """The first chat chunk of a choice: the assistant role, no content yet."""
+        return self._choice({"index": index, "delta": {"role": "assistant", "content": ""}})
 
-    def text(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
-        """A chunk of new text (and, when given, its tokens' log-probabilities)."""
-        if logprobs is None:
-            return b"data: " + self._choice_head + _dumps(text).encode() + self._choice_tail
-        choice = {"index": 0, "delta": {"content": text}} if self.chat else {"index": 0, "text": text}
-        choice.update(logprobs=logprobs, finish_reason=None)
+    def _choice(self, choice: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> bytes:
+        """A chunk with one choice, through the general (slower) path."""
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return b"data: " + self._head.encode() + b',"choices":[' + _dumps(choice).encode() + b"]}\n\n"
+
+    def text(self, text: str, logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
+        """A chunk of new text (and, when given, its tokens' log-probabilities) of choice
+        ``index``. The usual case, choice 0 without logprobs, is rendered from bytes made once."""
+        if logprobs is None and index == 0:
+            return b"data: " + self._choice_head + _dumps(text).encode() + self._choice_tail
+        choice = {"index": index, "delta": {"content": text}} if self.chat else {"index": index, "text": text}
+        return self._choice(choice, logprobs)
 
     def delta(self, delta: dict[str, Any]) -> bytes:
         """A chat chunk with any ``delta`` (tool-call deltas, for one)."""
@@ -73,9 +72,9 @@ class ChunkFramer:
             + b',"logprobs":null,"finish_reason":null}]}\n\n'
         )
 
-    def finish(self, reason: str) -> bytes:
-        choice = '{"index":0,"delta":{},' if self.chat else '{"index":0,"text":"",'
-        return f'data: {self._head},"choices":[{choice}"logprobs":null,"finish_reason":"{reason}"}}]}}\n\n'.encode()
+    def finish(self, reason: str, index: int = 0) -> bytes:
+        choice = {"index": index, "delta": {}} if self.chat else {"index": index, "text": ""}
+        return self._choice(choice, finish_reason=reason)
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         return f'data: {self._head},"choices":[],"usage":{_dumps(usage)}}}\n\n'.encode()

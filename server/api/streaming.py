@@ -47,8 +47,8 @@ from quart import Response
 
 from server.api import logprobs, sse, tools
 from server.api.prepare import Prepared
-from server.api.trace import Trace, usage_payload
-from server.engine import Engine, EngineError, Piece, PieceSink
+from server.api.trace import Trace, merged_usage, usage_payload
+from server.engine import Engine, EngineError, Piece, PieceSink, Usage
 from server.net.connection import Connection, current_connection
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -110,8 +110,10 @@ async def _sse_body(
         connection.on_peer_closed(probe.start)
     try:
         if prepared.chat:
-            yield framer.role()
+            for index in range(prepared.job.n):
+                yield framer.role(index)
         try:
+            usages: list[Usage] = []
             async with engine.submit(prepared.job) as pieces:
                 # A tool-using answer is translated piece by piece here; others may go directly.
                 # Hypercorn sends the head with the first chunk: only from here on is the body
@@ -151,9 +153,11 @@ async def _sse_body(
                     if chunks:
                         trace.written = trio.current_time()
                     if piece.finish_reason:
-                        yield framer.finish(answer.finish_reason(piece.finish_reason))
-                        if prepared.include_usage and piece.usage is not None:
-                            yield framer.usage(usage_payload(piece.usage))
+                        yield framer.finish(answer.finish_reason(piece.finish_reason), piece.index)
+                        if piece.usage is not None:
+                            usages.append(piece.usage)
+            if prepared.include_usage and usages:
+                yield framer.usage(usage_payload(merged_usage(usages)))
         except EngineError as exc:
             trace.ending = exc.code
             type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
@@ -180,7 +184,7 @@ class _TextAnswer:
         self._framer = framer
 
     def feed(self, piece: Piece) -> Sequence[bytes]:
-        return (self._framer.text(piece.text),) if piece.text else ()
+        return (self._framer.text(piece.text, index=piece.index),) if piece.text else ()
 
     def finish_reason(self, reason: str) -> str:
         return reason
@@ -192,7 +196,7 @@ class _LogprobAnswer(_TextAnswer):
     def __init__(self, framer: sse.ChunkFramer, token_bytes: logprobs.TokenBytes) -> None:
         super().__init__(framer)
         self._token_bytes = token_bytes
-        self._completion = logprobs.CompletionLogprobs(token_bytes)
+        self._completions: dict[int, logprobs.CompletionLogprobs] = {}  # text offsets, per choice
 
     def feed(self, piece: Piece) -> Sequence[bytes]:
         if not piece.text and not piece.logprobs:
@@ -200,8 +204,9 @@ class _LogprobAnswer(_TextAnswer):
         if self._framer.chat:
             payload = {"content": logprobs.chat_content(piece.logprobs, self._token_bytes), "refusal": None}
         else:
-            payload = self._completion.payload(piece.logprobs, piece.text)
-        return (self._framer.text(piece.text, logprobs=payload),)
+            reader = self._completions.setdefault(piece.index, logprobs.CompletionLogprobs(self._token_bytes))
+            payload = reader.payload(piece.logprobs, piece.text)
+        return (self._framer.text(piece.text, logprobs=payload, index=piece.index),)
 
 
 class _ToolAnswer:

@@ -13,6 +13,12 @@ from server.state import ServerState
 logger = logging.getLogger("llama_trio.access")
 
 
+def merged_usage(usages: list[Usage]) -> Usage:
+    """The usage of a job from its choices' own: the prompt once, the completions summed."""
+    first = usages[0]
+    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages), first.cached_tokens)
+
+
 def usage_payload(usage: Usage) -> dict[str, Any]:
     """``usage`` as OpenAI sends it."""
     return {

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -108,13 +109,16 @@ class Engine:
         if error is not None:
             raise error
         request = Request(job, self.config.channel_size)
+        for _ in range(job.n - 1):
+            Request(job, self.config.channel_size, lead=request)
         self._queue.append(request)
         self.stats.queued = len(self._queue)
         self._wake()
         try:
             yield Pieces(request, self._wake)
         finally:
-            request.released = True
+            for member in request.members:
+                member.released = True
             request.receive.close()
             self._wake()
 
@@ -127,6 +131,8 @@ class Engine:
                 tokens=len(job.prompt),
                 limit=self.n_ctx_seq,
             )
+        if not 1 <= job.n <= self.config.n_parallel:
+            raise ValueError(f"a job's n must be between 1 and {self.config.n_parallel}")
         if not self._accepting:
             return ShuttingDown("server is shutting down")
         if len(self._queue) >= self.config.max_queue:
@@ -238,37 +244,40 @@ class Engine:
 
     def _admit(self) -> None:
         free = [s for s in self._slots if s.request is None]
-        while free and self._queue:
+        while self._queue and len(free) >= self._queue[0].job.n:
             request = self._queue.popleft()
+            job = request.job
             try:
-                sampler = ffi.Sampler(request.job.sampling, self.vocab.n_tokens)
+                samplers = [ffi.Sampler(_seeded(job.sampling, m.index), self.vocab.n_tokens) for m in request.members]
             except Exception as exc:  # one job's bad parameters must never stop the engine task
                 logger.exception("cannot build a sampler; ending that job")
                 request.phase = None
                 self._end_with_error(request, EngineFailure(f"cannot build the sampler: {exc}"))
                 continue
-            job = request.job
             # Another scope's cache counts as empty: it is never reused, only evicted.
             cached = [s.cached if s.scope == job.cache_scope else () for s in free]
             choice = scheduler.pick_slot(cached, [s.last_used for s in free], job.prompt)
-            slot = free.pop(choice.index)
-            slot.scope = job.cache_scope
+            slots = [free.pop(choice.index)]
+            # The other choices' sequences get copies of the lead's cells: the least recently
+            # used free ones give them up.
+            free.sort(key=lambda s: s.last_used)
+            slots += [free.pop(0) for _ in request.members[1:]]
             reuse = choice.reuse
-            if reuse < len(slot.cached) and not self.context.seq_rm(slot.seq_id, reuse, -1):
-                self.context.seq_rm(slot.seq_id)
+            if reuse < len(slots[0].cached) and not self.context.seq_rm(slots[0].seq_id, reuse, -1):
+                self.context.seq_rm(slots[0].seq_id)
                 reuse = 0
-            del slot.cached[reuse:]
-            self._tick += 1
-            slot.last_used = self._tick
-            slot.request = request
-            request.slot = slot
-            request.phase = Phase.PREFILL
-            request.n_past = reuse
-            request.n_prompt_done = reuse
-            request.cached_tokens = reuse
-            request.sampler = sampler
-            request.matcher = job.grammar.matcher() if job.grammar is not None else None
-            request.detok = ffi.Detokenizer(self.vocab)
+            del slots[0].cached[reuse:]
+            for member, slot, sampler in zip(request.members, slots, samplers, strict=True):
+                self._tick += 1
+                slot.last_used = self._tick
+                slot.scope = job.cache_scope
+                slot.request = member
+                member.slot = slot
+                member.phase = Phase.PREFILL
+                member.n_past = member.n_prompt_done = member.cached_tokens = reuse if member is request else 0
+                member.sampler = sampler
+                member.matcher = job.grammar.matcher() if job.grammar is not None else None
+                member.detok = ffi.Detokenizer(self.vocab)
             self.stats.cached_tokens += reuse
         self.stats.queued = len(self._queue)
 
@@ -286,7 +295,7 @@ class Engine:
                     paused += 1
                 elif request.pending is not None:
                     decoding.append(i)
-            elif request.phase is Phase.PREFILL:
+            elif request.phase is Phase.PREFILL and request.lead is request:  # the others get copies
                 prefilling.append((i, len(request.job.prompt) - request.n_prompt_done))
         # Prompt chunks in arrival order: the earliest-admitted slot first.
         prefilling.sort(key=lambda entry: self._slots[entry[0]].last_used)
@@ -303,7 +312,8 @@ class Engine:
                 continue
             if request.phase is Phase.PREFILL:
                 request.phase = Phase.GENERATE
-                self.stats.prompt_tokens += len(request.job.prompt) - request.cached_tokens
+                if request.lead is request:
+                    self.stats.prompt_tokens += len(request.job.prompt) - request.cached_tokens
             if request.released:
                 continue  # reaped before the next step
             request.n_generated += 1
@@ -330,13 +340,13 @@ class Engine:
             if verdict.finish is None:
                 request.pending = token
                 if verdict.text or logprobs:
-                    self._queue_piece(request, Piece(verdict.text, tokens, logprobs=logprobs))
+                    self._queue_piece(request, Piece(verdict.text, tokens, logprobs=logprobs, index=request.index))
                 continue
             text = verdict.text
             if verdict.release_held:
                 text += scheduler.release_held(request.stops, detok.flush())
             usage = Usage(len(request.job.prompt), request.n_generated, request.cached_tokens)
-            self._queue_piece(request, Piece(text, tokens, verdict.finish, usage, logprobs), last=True)
+            self._queue_piece(request, Piece(text, tokens, verdict.finish, usage, logprobs, request.index), last=True)
             request.phase = None
             self.stats.requests_finished += 1
             self._free_slot(slot, keep_cache=True)
@@ -353,7 +363,9 @@ class Engine:
             request.sent -= 1
             self._hand_out_one(request, piece)
             if last:
-                request.send.close()
+                request.lead.unfinished -= 1
+                if request.lead.unfinished == 0:  # every choice is done
+                    request.send.close()
 
     def _hand_out_one(self, request: Request, item: Piece) -> None:
         sink = request.sink
@@ -381,7 +393,8 @@ class Engine:
         with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             request.send.send_nowait(error)
         request.send.close()
-        request.released = True
+        for member in request.lead.members:  # the job ends for every choice
+            member.released = True
 
     def _fail_step(self, plan: list[scheduler.PlanEntry], exc: ffi.DecodeError) -> None:
         logger.error("decode failed: %s; ending the %d jobs in that step", exc, len(plan))
@@ -417,6 +430,14 @@ class Engine:
         self._batch.close()
         self.context.close()
         self._thread.close()
+
+
+def _seeded(sampling: ffi.SamplingParams, index: int) -> ffi.SamplingParams:
+    """Choice ``index``'s sampling: the job's seed + index, so that choices differ and each is
+    reproducible (no seed: each draws its own)."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) & 0xFFFFFFFF)
 
 
 @contextlib.asynccontextmanager

@@ -33,6 +33,9 @@ class Job:
     # Log-probabilities of each generated token and of this many likeliest alternatives (0-20);
     # None: none computed (and no cost).
     logprobs: int | None = None
+    # Choices: the prompt is computed once and its KV cells copied to n sequences, which then
+    # decode independently (a seed gives choice i the seed + i). Pieces carry their ``index``.
+    n: int = 1
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,15 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class Piece:
     """A delivery to a reader: new text and the tokens behind it (with their log-probabilities
-    when the job asked). The last piece of a job has ``finish_reason`` ("stop" or "length") and
-    ``usage``; the others have neither."""
+    when the job asked). The last piece of each choice has ``finish_reason`` ("stop" or
+    "length") and ``usage`` (its own completion tokens); the others have neither."""
 
     text: str
     tokens: tuple[int, ...]
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0  # the choice, for a job with n > 1
 
 
 class PieceSink(Protocol):

@@ -22,6 +22,10 @@ class Request:
 
     __slots__ = (
         "job",
+        "lead",
+        "index",
+        "members",
+        "unfinished",
         "send",
         "receive",
         "phase",
@@ -44,9 +48,19 @@ class Request:
         "logprob",
     )
 
-    def __init__(self, job: Job, channel_size: int) -> None:
+    def __init__(self, job: Job, channel_size: int, lead: Request | None = None) -> None:
         self.job = job
-        self.send, self.receive = trio.open_memory_channel[Piece | EngineError](channel_size)
+        # A job with n choices is n requests, one per sequence: the lead (index 0) computes the
+        # prompt, the others get copies of its cells; they share the lead's channel.
+        self.lead = lead or self
+        self.index = len(lead.members) if lead is not None else 0
+        self.members: list[Request] = [self] if lead is None else []
+        self.unfinished = job.n  # (the lead's) choices not finished yet: the channel closes at 0
+        if lead is None:
+            self.send, self.receive = trio.open_memory_channel[Piece | EngineError](channel_size * job.n)
+        else:
+            self.send, self.receive = lead.send, lead.receive
+            lead.members.append(self)
         self.phase: Phase | None = Phase.QUEUED  # None once finished or counted as cancelled
         self.released = False  # the caller left ``submit``'s block, or the job ended with an error
         self.slot: Slot | None = None
@@ -85,7 +99,8 @@ class Slot:
 
 
 class Pieces:
-    """The pieces of one job, in order. Iterating raises the ``EngineError`` the job ended with.
+    """The pieces of one job, in order (of each choice; choices interleave). Iterating raises
+    the ``EngineError`` the job ended with.
 
     *Cancellation*: cancelling a task blocked in iteration is safe; the job keeps its sequence
     until ``submit``'s block is left, which releases it.
@@ -93,6 +108,7 @@ class Pieces:
 
     def __init__(self, request: Request, wake_engine: Callable[[], None]) -> None:
         self._request = request
+        self._members = request.members
         self._wake_engine = wake_engine
 
     def __aiter__(self) -> Pieces:
@@ -107,15 +123,15 @@ class Pieces:
         iteration. Cancellation does not apply (synchronous).
         """
         request = self._request
-        if request.sent == request.taken:
+        if request.sent == request.taken and len(self._members) == 1:
             request.sink = sink
 
     async def __anext__(self) -> Piece:
-        request = self._request
         try:
-            item = await request.receive.receive()
+            item = await self._request.receive.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
+        request = self._members[item.index] if isinstance(item, Piece) else self._request
         request.taken += 1
         if request.paused:
             self._wake_engine()

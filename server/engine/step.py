@@ -36,6 +36,7 @@ def run_step(
     grammar that fails sets the request's ``failure``."""
     batch.clear()
     to_sample: list[tuple[Slot, int]] = []
+    forks: list[tuple[Slot, int]] = []  # leads whose prompt completes now, with n > 1
     for entry in plan:
         slot = slots[entry.slot]
         request = slot.request
@@ -47,6 +48,8 @@ def run_step(
             index = batch.add_run(chunk, request.n_past, slot.seq_id, logits_last=last)
             if last:
                 to_sample.append((slot, index))
+                if len(request.members) > 1:
+                    forks.append((slot, index))
         else:
             assert request.pending is not None
             index = batch.add(request.pending, request.n_past, slot.seq_id, logits=True)
@@ -68,6 +71,19 @@ def run_step(
             slot.cached.append(request.pending)  # type: ignore[arg-type]
             request.n_past += 1
             request.pending = None
+    for lead_slot, index in forks:
+        # The other choices start from copies of the lead's cells (llama.cpp copies between
+        # KV streams only whole sequences) and sample from the same logits row.
+        lead = lead_slot.request
+        assert lead is not None
+        for member in lead.members[1:]:
+            copy = member.slot
+            assert copy is not None
+            context.seq_rm(copy.seq_id)
+            context.seq_cp(lead_slot.seq_id, copy.seq_id)
+            copy.cached = list(lead_slot.cached)
+            member.n_past, member.n_prompt_done = lead.n_past, lead.n_prompt_done
+            to_sample.append((copy, index))
     out: list[tuple[Slot, int]] = []
     constrained = 0
     constraint_seconds = 0.0
