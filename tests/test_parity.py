@@ -65,7 +65,7 @@ COMPLETION_VALUES: dict[str, Any] = {"logprobs": 2}
 REFUSED = {
     "chat": {"audio", "function_call", "functions", "modalities", "moderation", "reasoning_effort",
              "verbosity", "web_search_options"},
-    "completion": {"best_of", "echo", "suffix"},
+    "completion": {"best_of", "suffix"},
 }  # fmt: skip
 
 
@@ -258,3 +258,54 @@ def test_cancelling_n_choices_frees_every_sequence(server: ServerProcess) -> Non
     wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, "every choice's sequence to be freed", 20)
     m = server.metrics()
     assert m["llama_trio_kv_cells_used"] == m["llama_trio_kv_cells_cached"]
+
+
+# -- prompt forms -------------------------------------------------------------------------------
+
+
+def test_completion_prompt_forms(server: ServerProcess, model: Any) -> None:
+    vocab = model.vocab
+    prompts = ["Colors:", "Numbers: 1, 2,"]
+    ids = [vocab.tokenize(p, add_special=True, parse_special=True) for p in prompts]
+    base = {"max_tokens": 6, "temperature": 0, "logit_bias": NO_END_TOKENS}
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        singles = [client.completions.create(model="x", prompt=p, **base) for p in prompts]  # type: ignore[arg-type]
+        as_strings = client.completions.create(model="x", prompt=prompts, **base)  # type: ignore[arg-type]
+        as_ids = client.completions.create(model="x", prompt=ids[0], **base)  # type: ignore[arg-type]
+        as_id_lists = client.completions.create(model="x", prompt=ids, n=2, **base)  # type: ignore[arg-type]
+        echoed = client.completions.create(model="x", prompt=prompts[0], echo=True, **base)  # type: ignore[arg-type]
+    texts = [s.choices[0].text for s in singles]
+    assert [c.index for c in as_strings.choices] == [0, 1] and [c.text for c in as_strings.choices] == texts
+    assert as_strings.usage is not None and singles[0].usage is not None and singles[1].usage is not None
+    assert as_strings.usage.prompt_tokens == singles[0].usage.prompt_tokens + singles[1].usage.prompt_tokens
+    assert as_ids.choices[0].text == texts[0]
+    # n per prompt: index = prompt's place * n + choice.
+    assert [c.text for c in as_id_lists.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    assert echoed.choices[0].text == prompts[0] + texts[0]
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={"prompt": prompts, "stream": True, **base}, timeout=60
+    ) as response:
+        chunks = sse.parse(response.read(), kind="completion").chunks
+    streamed = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert [streamed[0], streamed[1]] == texts
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [([], "prompt"), ([[]], "prompt"), ([1, 99_999_999], "prompt[1]"), ([[1], [2, 99_999_999]], "prompt[1][1]"),
+     (["a"] * 5, "prompt")],
+    ids=["empty-list", "empty-ids", "id-out-of-vocabulary", "nested-id-out-of-vocabulary", "more-than-parallel"],
+)  # fmt: skip
+def test_bad_prompt_forms_are_400s(server: ServerProcess, prompt: Any, param: str) -> None:
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_echo_with_logprobs_is_refused(server: ServerProcess) -> None:
+    body = {"prompt": "Colors:", "max_tokens": 2, "echo": True, "logprobs": 1}
+    error = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_parameter", "echo")

@@ -46,7 +46,8 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
             chat=chat, id_=id_, created=created, model=state.model_id, fingerprint=state.fingerprint
         )
         return streamed_response(engine, prepared, framer, trace, state.settings.ping_interval)
-    choices = [_Choice() for _ in range(prepared.job.n)]
+    n = prepared.job.n
+    choices = [_Choice(prepared.echo[i // n] if prepared.echo else "") for i in range(prepared.job.n_choices)]
     try:
         async with engine.submit(prepared.job) as pieces:
             async for piece in pieces:
@@ -108,8 +109,8 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
 class _Choice:
     """One choice of a whole answer, as its pieces come."""
 
-    def __init__(self) -> None:
-        self.texts: list[str] = []
+    def __init__(self, echo: str = "") -> None:
+        self.texts: list[str] = [echo] if echo else []
         self.logprobs: list[tuple[tuple[TokenLogprob, ...], str]] = []
         self.finish = "cancelled"
         self.usage: Usage | None = None

@@ -52,6 +52,7 @@ class Prepared:
     # or "native" (the template's own syntax); None: plain text.
     tools: Literal["generic", "native"] | None = None
     logprobs: bool = False  # the answer reports its tokens' log-probabilities
+    echo: tuple[str, ...] = ()  # each prompt's text, to come before its answers (``echo``)
 
     @property
     def prompt_param(self) -> str:
@@ -150,20 +151,20 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
         work = sum(len(m["content"]) for m in messages) + CHARS_PER_MESSAGE * len(messages)
         template_tools = use.template_tools if use is not None else None
 
-        def render() -> list[int]:
-            return chat_tokens(template, vocab, messages, template_tools)
+        def render() -> list[list[int]]:
+            return [chat_tokens(template, vocab, messages, template_tools)]
 
         max_tokens = req.max_completion_tokens or req.max_tokens
     else:
-        prompt_text = req.prompt
-        work = len(prompt_text)
+        prompts = _completion_prompts(req, vocab.n_tokens)
+        work = sum(len(p) for p in prompts)
 
-        def render() -> list[int]:
-            return text_tokens(vocab, prompt_text)
+        def render() -> list[list[int]]:
+            return [text_tokens(vocab, p) if isinstance(p, str) else list(p) for p in prompts]
 
         max_tokens = req.max_tokens
     try:
-        tokens = await trio.to_thread.run_sync(render) if work > INLINE_WORK_CHARS else render()
+        all_tokens = await trio.to_thread.run_sync(render) if work > INLINE_WORK_CHARS else render()
     except ffi.TemplateError as exc:
         raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
     except ffi.TokenizeError as exc:
@@ -171,19 +172,21 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
     except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate is not text
         problem = "the text contains a lone UTF-16 surrogate (invalid Unicode)"
         raise ApiError(400, problem, param=param, code="invalid_value") from None
-    if not tokens:
+    if not all(all_tokens):
         raise ApiError(400, "the prompt is empty", param=param, code="invalid_value")
     ceiling = state.settings.max_tokens
     if ceiling is not None:
         max_tokens = min(max_tokens or ceiling, ceiling)
     logprobs = _logprobs_wanted(req)
     n = req.n or 1
-    if n > state.settings.parallel:
-        message = f"n is {n}; this server decodes at most {state.settings.parallel} sequences at once (--parallel)"
-        raise ApiError(400, message, param="n", code="invalid_value")
+    if n * len(all_tokens) > state.settings.parallel:
+        what = f"n is {n}" if len(all_tokens) == 1 else f"{len(all_tokens)} prompts x n {n}"
+        message = f"{what}; this server decodes at most {state.settings.parallel} sequences at once (--parallel)"
+        raise ApiError(400, message, param="n" if len(all_tokens) == 1 else "prompt", code="invalid_value")
     job = Job(
-        tokens,
+        all_tokens[0],
         sampling_params(req, vocab.n_tokens),
+        more_prompts=tuple(all_tokens[1:]),
         max_tokens=max_tokens,
         stop=req.stop_list(),
         cache_scope=cache_scope(req.cache_salt),
@@ -198,7 +201,29 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
     scheme: Literal["generic", "native"] | None = None
     if use is not None and use.constrained:
         scheme = "native" if use.native else "generic"
-    return Prepared(job, req.stream, include_usage, chat, tools=scheme, logprobs=logprobs is not None)
+    echo: tuple[str, ...] = ()
+    if isinstance(req, schema.CompletionRequest) and req.echo:
+        echo = tuple(p if isinstance(p, str) else vocab.detokenize(p) for p in _completion_prompts(req, vocab.n_tokens))
+    return Prepared(job, req.stream, include_usage, chat, tools=scheme, logprobs=logprobs is not None, echo=echo)
+
+
+def _completion_prompts(req: schema.CompletionRequest, n_vocab: int) -> list[str | list[int]]:
+    """The prompts of a completion request, each a string or token ids (checked)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        prompts: list[str | list[int]] = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    for i, p in enumerate(prompts):
+        if isinstance(p, list):
+            for j, token in enumerate(p):
+                if token >= n_vocab:
+                    where = f"prompt[{j}]" if len(prompts) == 1 and isinstance(prompt[0], int) else f"prompt[{i}][{j}]"
+                    message = f"token {token} is not in the vocabulary ({n_vocab} tokens)"
+                    raise ApiError(400, message, param=where, code="invalid_value")
+    return prompts
 
 
 def _logprobs_wanted(req: schema.ChatCompletionRequest | schema.CompletionRequest) -> int | None:

@@ -18,6 +18,7 @@ MAX_CACHE_SALT = 256
 MAX_GRAMMAR_CHARS = 256 * 1024  # a GBNF grammar, or a JSON schema as JSON text
 MAX_LOGIT_BIAS = 300
 MAX_TOOLS = 128  # as OpenAI
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each answer also needs a sequence)
 MAX_TOKEN_ID_DIGITS = 10  # token ids are int32
 
 
@@ -219,8 +220,17 @@ class ChatCompletionRequest(CommonFields):
         return super().unsupported()
 
 
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
 class CompletionRequest(CommonFields):
-    prompt: str
+    # A string, strings (one answer each), token ids, or lists of token ids (one answer each).
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -228,8 +238,8 @@ class CompletionRequest(CommonFields):
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""
-        if self.echo:
-            return "echo"
+        if self.echo and self.logprobs is not None:
+            return "echo"  # the prompt's own logprobs are not computed
         if self.best_of is not None and self.best_of > 1:
             return "best_of"
         if self.suffix:

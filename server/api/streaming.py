@@ -109,9 +109,11 @@ async def _sse_body(
     if connection is not None:
         connection.on_peer_closed(probe.start)
     try:
-        if prepared.chat:
-            for index in range(prepared.job.n):
+        for index in range(prepared.job.n_choices):
+            if prepared.chat:
                 yield framer.role(index)
+            elif prepared.echo:  # each answer starts with its prompt
+                yield framer.text(prepared.echo[index // prepared.job.n], index=index)
         try:
             usages: list[Usage] = []
             async with engine.submit(prepared.job) as pieces:

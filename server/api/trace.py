@@ -14,9 +14,12 @@ logger = logging.getLogger("llama_trio.access")
 
 
 def merged_usage(usages: list[Usage]) -> Usage:
-    """The usage of a job from its choices' own: the prompt once, the completions summed."""
-    first = usages[0]
-    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages), first.cached_tokens)
+    """The usage of a job from its choices' own (a prompt counts in its first choice only)."""
+    return Usage(
+        sum(u.prompt_tokens for u in usages),
+        sum(u.completion_tokens for u in usages),
+        sum(u.cached_tokens for u in usages),
+    )
 
 
 def usage_payload(usage: Usage) -> dict[str, Any]:

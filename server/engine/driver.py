@@ -108,9 +108,14 @@ class Engine:
         error = self.admission_error(job)
         if error is not None:
             raise error
-        request = Request(job, self.config.channel_size)
-        for _ in range(job.n - 1):
-            Request(job, self.config.channel_size, lead=request)
+        request: Request | None = None
+        for prompt in job.prompts:
+            source = None
+            for _ in range(job.n):
+                member = Request(job, self.config.channel_size, lead=request, prompt=prompt, source=source)
+                request = request or member
+                source = source or member
+        assert request is not None
         self._queue.append(request)
         self.stats.queued = len(self._queue)
         self._wake()
@@ -124,15 +129,16 @@ class Engine:
 
     def admission_error(self, job: Job) -> EngineError | None:
         """The error ``submit`` would raise for ``job`` right now, or None."""
-        if not job.prompt or len(job.prompt) >= self.n_ctx_seq:
-            return ContextLengthExceeded(
-                f"the prompt is {len(job.prompt)} tokens; this server's context holds at most "
-                f"{self.n_ctx_seq - 1} prompt tokens per request (plus room to generate)",
-                tokens=len(job.prompt),
-                limit=self.n_ctx_seq,
-            )
-        if not 1 <= job.n <= self.config.n_parallel:
-            raise ValueError(f"a job's n must be between 1 and {self.config.n_parallel}")
+        for prompt in job.prompts:
+            if not prompt or len(prompt) >= self.n_ctx_seq:
+                return ContextLengthExceeded(
+                    f"the prompt is {len(prompt)} tokens; this server's context holds at most "
+                    f"{self.n_ctx_seq - 1} prompt tokens per request (plus room to generate)",
+                    tokens=len(prompt),
+                    limit=self.n_ctx_seq,
+                )
+        if not 1 <= job.n_choices <= self.config.n_parallel:
+            raise ValueError(f"a job's choices must number between 1 and {self.config.n_parallel}")
         if not self._accepting:
             return ShuttingDown("server is shutting down")
         if len(self._queue) >= self.config.max_queue:
@@ -244,7 +250,7 @@ class Engine:
 
     def _admit(self) -> None:
         free = [s for s in self._slots if s.request is None]
-        while self._queue and len(free) >= self._queue[0].job.n:
+        while self._queue and len(free) >= self._queue[0].job.n_choices:
             request = self._queue.popleft()
             job = request.job
             try:
@@ -254,31 +260,36 @@ class Engine:
                 request.phase = None
                 self._end_with_error(request, EngineFailure(f"cannot build the sampler: {exc}"))
                 continue
-            # Another scope's cache counts as empty: it is never reused, only evicted.
-            cached = [s.cached if s.scope == job.cache_scope else () for s in free]
-            choice = scheduler.pick_slot(cached, [s.last_used for s in free], job.prompt)
-            slots = [free.pop(choice.index)]
-            # The other choices' sequences get copies of the lead's cells: the least recently
-            # used free ones give them up.
+            slots: dict[Request, Slot] = {}
+            for source in (m for m in request.members if m.source is m):
+                # Another scope's cache counts as empty: it is never reused, only evicted.
+                cached = [s.cached if s.scope == job.cache_scope else () for s in free]
+                choice = scheduler.pick_slot(cached, [s.last_used for s in free], source.prompt)
+                slot = slots[source] = free.pop(choice.index)
+                reuse = choice.reuse
+                if reuse < len(slot.cached) and not self.context.seq_rm(slot.seq_id, reuse, -1):
+                    self.context.seq_rm(slot.seq_id)
+                    reuse = 0
+                del slot.cached[reuse:]
+                source.n_past = source.n_prompt_done = source.cached_tokens = reuse
+                self.stats.cached_tokens += reuse
+            # The copies' sequences get the source's cells: the least recently used free
+            # sequences give theirs up.
             free.sort(key=lambda s: s.last_used)
-            slots += [free.pop(0) for _ in request.members[1:]]
-            reuse = choice.reuse
-            if reuse < len(slots[0].cached) and not self.context.seq_rm(slots[0].seq_id, reuse, -1):
-                self.context.seq_rm(slots[0].seq_id)
-                reuse = 0
-            del slots[0].cached[reuse:]
-            for member, slot, sampler in zip(request.members, slots, samplers, strict=True):
+            for member in request.members:
+                if member.source is not member:
+                    slots[member] = free.pop(0)
+            for member, sampler in zip(request.members, samplers, strict=True):
+                slot = slots[member]
                 self._tick += 1
                 slot.last_used = self._tick
                 slot.scope = job.cache_scope
                 slot.request = member
                 member.slot = slot
                 member.phase = Phase.PREFILL
-                member.n_past = member.n_prompt_done = member.cached_tokens = reuse if member is request else 0
                 member.sampler = sampler
                 member.matcher = job.grammar.matcher() if job.grammar is not None else None
                 member.detok = ffi.Detokenizer(self.vocab)
-            self.stats.cached_tokens += reuse
         self.stats.queued = len(self._queue)
 
     def _plan(self) -> list[scheduler.PlanEntry]:
@@ -295,8 +306,8 @@ class Engine:
                     paused += 1
                 elif request.pending is not None:
                     decoding.append(i)
-            elif request.phase is Phase.PREFILL and request.lead is request:  # the others get copies
-                prefilling.append((i, len(request.job.prompt) - request.n_prompt_done))
+            elif request.phase is Phase.PREFILL and request.source is request:  # copies wait for it
+                prefilling.append((i, len(request.prompt) - request.n_prompt_done))
         # Prompt chunks in arrival order: the earliest-admitted slot first.
         prefilling.sort(key=lambda entry: self._slots[entry[0]].last_used)
         self.stats.paused = paused
@@ -312,8 +323,8 @@ class Engine:
                 continue
             if request.phase is Phase.PREFILL:
                 request.phase = Phase.GENERATE
-                if request.lead is request:
-                    self.stats.prompt_tokens += len(request.job.prompt) - request.cached_tokens
+                if request.source is request:
+                    self.stats.prompt_tokens += len(request.prompt) - request.cached_tokens
             if request.released:
                 continue  # reaped before the next step
             request.n_generated += 1
@@ -345,7 +356,9 @@ class Engine:
             text = verdict.text
             if verdict.release_held:
                 text += scheduler.release_held(request.stops, detok.flush())
-            usage = Usage(len(request.job.prompt), request.n_generated, request.cached_tokens)
+            # A copy's prompt was its source's: a job's usage is the sum over its choices.
+            prompt_tokens = len(request.prompt) if request.source is request else 0
+            usage = Usage(prompt_tokens, request.n_generated, request.cached_tokens)
             self._queue_piece(request, Piece(text, tokens, verdict.finish, usage, logprobs, request.index), last=True)
             request.phase = None
             self.stats.requests_finished += 1

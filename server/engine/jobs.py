@@ -36,6 +36,17 @@ class Job:
     # Choices: the prompt is computed once and its KV cells copied to n sequences, which then
     # decode independently (a seed gives choice i the seed + i). Pieces carry their ``index``.
     n: int = 1
+    # More prompts answered in the same job (a batch of completions), n choices each: choice
+    # index = prompt's place * n + its number.
+    more_prompts: tuple[Sequence[int], ...] = ()
+
+    @property
+    def prompts(self) -> tuple[Sequence[int], ...]:
+        return (self.prompt, *self.more_prompts)
+
+    @property
+    def n_choices(self) -> int:
+        return self.n * (1 + len(self.more_prompts))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ waits for it, the decode thread touch them. ``Pieces`` is what ``Engine.submit``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -26,6 +26,9 @@ class Request:
         "index",
         "members",
         "unfinished",
+        "prompt",
+        "source",
+        "copies",
         "send",
         "receive",
         "phase",
@@ -48,16 +51,30 @@ class Request:
         "logprob",
     )
 
-    def __init__(self, job: Job, channel_size: int, lead: Request | None = None) -> None:
+    def __init__(
+        self,
+        job: Job,
+        channel_size: int,
+        *,
+        lead: Request | None = None,
+        prompt: Sequence[int] | None = None,
+        source: Request | None = None,
+    ) -> None:
         self.job = job
-        # A job with n choices is n requests, one per sequence: the lead (index 0) computes the
-        # prompt, the others get copies of its cells; they share the lead's channel.
+        # A job with several choices is one request per choice, one sequence each. The lead
+        # (index 0) owns the channel they share and the list of members. Each prompt's first
+        # choice (its source) computes it; the others get copies of the source's cells.
         self.lead = lead or self
         self.index = len(lead.members) if lead is not None else 0
         self.members: list[Request] = [self] if lead is None else []
-        self.unfinished = job.n  # (the lead's) choices not finished yet: the channel closes at 0
+        self.unfinished = job.n_choices  # (the lead's) choices not finished: the channel closes at 0
+        self.prompt = job.prompt if prompt is None else prompt
+        self.source = source or self
+        self.copies: list[Request] = []
+        if source is not None:
+            source.copies.append(self)
         if lead is None:
-            self.send, self.receive = trio.open_memory_channel[Piece | EngineError](channel_size * job.n)
+            self.send, self.receive = trio.open_memory_channel[Piece | EngineError](channel_size * job.n_choices)
         else:
             self.send, self.receive = lead.send, lead.receive
             lead.members.append(self)

@@ -36,19 +36,19 @@ def run_step(
     grammar that fails sets the request's ``failure``."""
     batch.clear()
     to_sample: list[tuple[Slot, int]] = []
-    forks: list[tuple[Slot, int]] = []  # leads whose prompt completes now, with n > 1
+    forks: list[tuple[Slot, int]] = []  # prompts that complete now and have copies to make
     for entry in plan:
         slot = slots[entry.slot]
         request = slot.request
         assert request is not None
         if entry.prefill:
             start = request.n_prompt_done
-            chunk = request.job.prompt[start : start + entry.n_tokens]
-            last = start + entry.n_tokens == len(request.job.prompt)
+            chunk = request.prompt[start : start + entry.n_tokens]
+            last = start + entry.n_tokens == len(request.prompt)
             index = batch.add_run(chunk, request.n_past, slot.seq_id, logits_last=last)
             if last:
                 to_sample.append((slot, index))
-                if len(request.members) > 1:
+                if request.copies:
                     forks.append((slot, index))
         else:
             assert request.pending is not None
@@ -64,25 +64,25 @@ def run_step(
         assert request is not None
         if entry.prefill:
             start = request.n_prompt_done
-            slot.cached.extend(request.job.prompt[start : start + entry.n_tokens])
+            slot.cached.extend(request.prompt[start : start + entry.n_tokens])
             request.n_prompt_done += entry.n_tokens
             request.n_past += entry.n_tokens
         else:
             slot.cached.append(request.pending)  # type: ignore[arg-type]
             request.n_past += 1
             request.pending = None
-    for lead_slot, index in forks:
-        # The other choices start from copies of the lead's cells (llama.cpp copies between
+    for source_slot, index in forks:
+        # The prompt's other choices start from copies of its cells (llama.cpp copies between
         # KV streams only whole sequences) and sample from the same logits row.
-        lead = lead_slot.request
-        assert lead is not None
-        for member in lead.members[1:]:
+        source = source_slot.request
+        assert source is not None
+        for member in source.copies:
             copy = member.slot
             assert copy is not None
             context.seq_rm(copy.seq_id)
-            context.seq_cp(lead_slot.seq_id, copy.seq_id)
-            copy.cached = list(lead_slot.cached)
-            member.n_past, member.n_prompt_done = lead.n_past, lead.n_prompt_done
+            context.seq_cp(source_slot.seq_id, copy.seq_id)
+            copy.cached = list(source_slot.cached)
+            member.n_past, member.n_prompt_done = source.n_past, source.n_prompt_done
             to_sample.append((copy, index))
     out: list[tuple[Slot, int]] = []
     constrained = 0
