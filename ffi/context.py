@@ -89,6 +89,14 @@ class Batch:
         self.close()
 
 
+POOLING = {
+    "none": lib.LLAMA_POOLING_TYPE_NONE,
+    "mean": lib.LLAMA_POOLING_TYPE_MEAN,
+    "cls": lib.LLAMA_POOLING_TYPE_CLS,
+    "last": lib.LLAMA_POOLING_TYPE_LAST,
+}
+
+
 class Context:
     """A llama.cpp context: the KV memory for ``n_seq_max`` sequences sharing ``n_ctx`` cells.
 
@@ -108,8 +116,15 @@ class Context:
         n_threads: int = 4,
         n_threads_batch: int | None = None,
         kv_unified: bool = True,
+        embeddings: bool = False,
+        pooling: str | None = None,
     ) -> None:
+        """``embeddings``: the context computes one pooled embedding per sequence (``pooling``:
+        "mean", "cls", "last"; None: the model's own) instead of logits."""
         params = lib.llama_context_default_params()
+        params.embeddings = embeddings
+        if pooling is not None:
+            params.pooling_type = POOLING[pooling]
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_ubatch or n_batch
@@ -131,6 +146,20 @@ class Context:
         self.n_batch: int = lib.llama_n_batch(ptr)
         self.n_seq_max: int = lib.llama_n_seq_max(ptr)
         model._register(self)
+
+    @property
+    def pooling(self) -> str:
+        """How this context pools embeddings: "none", "mean", "cls", "last" or "other"."""
+        kind = lib.llama_pooling_type(self.ptr)
+        return next((name for name, value in POOLING.items() if value == kind), "other")
+
+    def embedding(self, seq_id: int) -> list[float]:
+        """The pooled embedding of ``seq_id`` after the last decode (an embeddings context with
+        pooling)."""
+        row = lib.llama_get_embeddings_seq(self.ptr, seq_id)
+        if row == ffi.NULL:
+            raise ContextError(f"no pooled embedding for sequence {seq_id} (is pooling on?)")
+        return list(ffi.unpack(row, lib.llama_model_n_embd(self.model.ptr)))
 
     @property
     def ptr(self) -> Any:

@@ -45,7 +45,18 @@ struct llama_model_params {
     ...;
 };
 
+enum llama_pooling_type {
+    LLAMA_POOLING_TYPE_UNSPECIFIED = ...,
+    LLAMA_POOLING_TYPE_NONE = ...,
+    LLAMA_POOLING_TYPE_MEAN = ...,
+    LLAMA_POOLING_TYPE_CLS = ...,
+    LLAMA_POOLING_TYPE_LAST = ...,
+    ...
+};
+
 struct llama_context_params {
+    enum llama_pooling_type pooling_type;
+    bool embeddings;
     uint32_t n_ctx;
     uint32_t n_batch;
     uint32_t n_ubatch;
@@ -151,6 +162,9 @@ struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t pen
 struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
                                                      const llama_logit_bias * logit_bias);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
+int32_t llama_model_n_embd(const struct llama_model * model);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 void llama_sampler_reset(struct llama_sampler * smpl);

@@ -31,6 +31,8 @@ class Settings:
     threads: int = field(default_factory=_default_threads)
     alias: str | None = None
     chat_template_file: str | None = None  # None: the model's own template
+    embeddings: bool = False
+    pooling: str | None = None  # None: the model's own, or mean
     api_key: tuple[str, ...] = ()
     api_key_file: str | None = None
     max_queue: int = 64
@@ -69,6 +71,8 @@ _HELP = {
     ),
     "alias": "model id reported by the API (default: the model file's name)",
     "chat_template_file": "Jinja chat template to use instead of the model's own (e.g. one that knows tools)",
+    "embeddings": "serve /v1/embeddings (a second llama.cpp context on the same model)",
+    "pooling": "how embeddings pool their tokens: mean, cls or last (default: the model's own, else mean)",
     "api_key": "accepted API key (repeatable; env: comma-separated)",
     "api_key_file": "file with one API key per line",
     "max_queue": "requests waiting for a free sequence before 503",
@@ -101,7 +105,7 @@ def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
 def _kind(name: str) -> type:
     defaults = Settings()
     value = getattr(defaults, name)
-    if name in {"model", "alias", "api_key_file", "chat_template_file"}:
+    if name in {"model", "alias", "api_key_file", "chat_template_file", "pooling"}:
         return str
     if name == "max_tokens":
         return int
@@ -141,6 +145,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         if value is not None:
             values[f.name] = value
     settings = Settings(**values)  # type: ignore[arg-type]
+    if settings.pooling not in {None, "mean", "cls", "last"}:
+        parser.error("--pooling must be mean, cls or last")
     if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
         parser.error("--ping-interval must be a positive number of seconds")
     return settings

@@ -7,6 +7,7 @@ in a nursery.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -18,6 +19,7 @@ import ffi
 from server.api.metrics import Metrics
 from server.engine import Engine, EngineConfig, EngineStats, open_engine
 from server.engine.constraint import GrammarCache, build_tokenizer
+from server.engine.embedder import Embedder, open_embedder
 from server.model_files import default_model_path
 from server.settings import Settings
 
@@ -49,6 +51,7 @@ class ServerState:
         self.engine: Engine | None = None
         self.template: ffi.ChatTemplate | None = None
         self.fingerprint = ""
+        self.embedder: Embedder | None = None
         self._template_source = _read_template(settings.chat_template_file)
         self.draining = False
         self.load_failed: BaseException | None = None
@@ -115,7 +118,19 @@ class ServerState:
                 n_threads=s.threads,
                 max_queue=s.max_queue,
             )
-            async with open_engine(model, config) as engine:
+            async with contextlib.AsyncExitStack() as stack:
+                engine = await stack.enter_async_context(open_engine(model, config))
+                if s.embeddings:
+                    self.embedder = await stack.enter_async_context(
+                        open_embedder(
+                            model,
+                            n_ctx=s.batch_size * s.parallel,
+                            n_batch=s.batch_size,
+                            n_seq_max=s.parallel,
+                            n_threads=s.threads,
+                            pooling=s.pooling,
+                        )
+                    )
                 self.engine = engine
                 logger.info(
                     "model %s ready in %.1f s: %s, %d sequences x %d tokens, %d threads",
@@ -130,6 +145,7 @@ class ServerState:
                 await self._stop.wait()
         finally:
             self.engine = None
+            self.embedder = None
             model.close()
 
     def _load_model(self) -> ffi.Model:

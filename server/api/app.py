@@ -21,6 +21,7 @@ from werkzeug.exceptions import HTTPException
 
 from server.api import schema
 from server.api.completions import complete, json_response
+from server.api.embeddings import embed
 from server.api.errors import ApiError
 from server.api.metrics import CONTENT_TYPE
 from server.settings import Settings, settings_from_env
@@ -192,6 +193,11 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
     @app.post("/completions")
     async def completions() -> Response:
         return await complete(state, chat=False)
+
+    @app.post("/v1/embeddings")
+    @app.post("/embeddings")
+    async def embeddings() -> Response:
+        return await embed(state)
 
     return app
 

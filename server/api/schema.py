@@ -247,6 +247,33 @@ class CompletionRequest(CommonFields):
         return super().unsupported()
 
 
+MAX_EMBEDDING_INPUTS = 256
+
+
+class EmbeddingRequest(_Request):
+    # A string, strings, token ids, or lists of token ids: one embedding each.
+    input: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+        ]
+    )
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None  # ignorable
+
+    def unsupported(self) -> str | None:
+        """The first field this server does not do: any unknown one not ignorable, or
+        ``dimensions`` (the model's size is the only one)."""
+        for name in self.model_extra or {}:
+            if name not in IGNORABLE_FIELDS:
+                return name
+        return "dimensions" if self.dimensions is not None else None
+
+
 # -- responses -----------------------------------------------------------------------------
 
 

@@ -1,0 +1,78 @@
+"""``/v1/embeddings``: inputs (strings or token ids) to L2-normalised vectors, as floats or as
+base64 of little-endian float32 (what the ``openai`` SDK asks for and decodes)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import cast
+
+import trio
+from quart import Response
+
+from server.api import schema
+from server.api.completions import json_response
+from server.api.errors import ApiError
+from server.api.prepare import INLINE_WORK_CHARS, read_json
+from server.state import ServerState
+
+
+async def embed(state: ServerState) -> Response:
+    """Answer the current ``/v1/embeddings`` request.
+
+    *Cancellation*: the embedder stops between decodes; tokenizing in a worker thread is
+    waited for.
+    """
+    req: schema.EmbeddingRequest = await read_json(schema.EmbeddingRequest)
+    refused = req.unsupported()
+    if refused is not None:
+        name = refused[:64]
+        raise ApiError(400, f"{name!r} is not supported by this server", param=name, code="unsupported_parameter")
+    embedder, engine = state.embedder, state.engine
+    if embedder is None or engine is None:
+        if state.settings.embeddings:
+            raise ApiError(503, "the model is still loading", type_="server_error", code="model_loading")
+        raise ApiError(404, "embeddings are off on this server (start it with --embeddings)", code="not_found")
+    vocab = engine.vocab
+    raw = req.input
+    texts: list[str] | None = None
+    ids: list[list[int]] = []
+    if isinstance(raw, str):
+        texts = [raw]
+    elif isinstance(raw[0], str):
+        texts = cast(list[str], raw)
+    elif isinstance(raw[0], int):
+        ids = [cast(list[int], raw)]
+    else:
+        ids = cast(list[list[int]], raw)
+
+    def tokenize(texts: list[str]) -> list[list[int]]:
+        return [vocab.tokenize(text, add_special=True, parse_special=False) for text in texts]
+
+    if texts is not None:
+        work = sum(len(t) for t in texts)
+        inputs = await trio.to_thread.run_sync(tokenize, texts) if work > INLINE_WORK_CHARS else tokenize(texts)
+    else:
+        inputs = [list(tokens) for tokens in ids]
+    for i, tokens in enumerate(inputs):
+        single = isinstance(raw, str) or isinstance(raw[0], int)
+        where = "input" if single else f"input[{i}]"
+        if not tokens:
+            raise ApiError(400, "an input is empty", param=where, code="invalid_value")
+        if len(tokens) > embedder.max_tokens:
+            message = f"an input is {len(tokens)} tokens; at most {embedder.max_tokens} are embedded"
+            raise ApiError(400, message, param=where, code="invalid_value")
+        if max(tokens) >= vocab.n_tokens:
+            raise ApiError(400, "a token id is not in the vocabulary", param=where, code="invalid_value")
+    vectors = await embedder.embed(inputs)
+    as_base64 = req.encoding_format == "base64"
+    data = [
+        {"object": "embedding", "index": i, "embedding": _base64(v) if as_base64 else v} for i, v in enumerate(vectors)
+    ]
+    tokens_used = sum(len(t) for t in inputs)
+    usage = {"prompt_tokens": tokens_used, "total_tokens": tokens_used}
+    return json_response({"object": "list", "data": data, "model": state.model_id, "usage": usage})
+
+
+def _base64(vector: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()

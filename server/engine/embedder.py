@@ -1,0 +1,127 @@
+"""``Embedder``: pooled, L2-normalised embeddings from a second llama.cpp context on the same
+model, made with ``embeddings`` on. Knows no HTTP.
+
+    async with open_embedder(model, n_ctx=..., n_batch=..., n_seq_max=..., n_threads=...) as embedder:
+        vectors = await embedder.embed([[1, 2, 3], [4, 5]])
+
+Inputs are packed into as few decodes as fit (at most ``n_batch`` tokens and ``n_seq_max``
+sequences each); each decode runs in the embedder's own decode thread, and the sequences are
+cleared after it. One request's inputs run at a time (a lock): embeddings never wait behind the
+generation engine, and share the CPU with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator, Sequence
+
+import trio
+
+import ffi
+from server.engine.decode_thread import DecodeThread
+
+
+class Embedder:
+    """Owns an embeddings context and the thread that decodes with it; ``close()`` frees both
+    (idempotent)."""
+
+    def __init__(self, context: ffi.Context, thread: DecodeThread) -> None:
+        self._context = context
+        self._thread = thread
+        self._batch = ffi.Batch(context.n_batch)
+        self._lock = trio.Lock()
+        self.max_tokens = min(context.n_ctx_seq, context.n_batch)  # per input
+        self.pooling = context.pooling
+        self._closed = False
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """One unit vector per input (each 1 to ``max_tokens`` tokens), in order.
+
+        *Cancellation*: between decodes; a decode in progress is waited for (never abandoned),
+        and the sequences are cleared either way.
+        """
+        out: list[list[float]] = []
+        async with self._lock:
+            for group in _pack(inputs, self._context.n_batch, self._context.n_seq_max):
+                out += await self._thread.run(self._decode, group)
+        return out
+
+    def _decode(self, group: Sequence[Sequence[int]]) -> list[list[float]]:
+        """In the decode thread: one decode of ``group``, one sequence each."""
+        batch, context = self._batch, self._context
+        batch.clear()
+        try:
+            for seq_id, tokens in enumerate(group):
+                batch.add_run(tokens, 0, seq_id, logits_last=True)
+            context.decode(batch)
+            return [_unit(context.embedding(seq_id)) for seq_id in range(len(group))]
+        finally:
+            context.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._batch.close()
+        self._context.close()
+        self._thread.close()
+
+
+def _pack(inputs: Sequence[Sequence[int]], n_batch: int, n_seq_max: int) -> list[list[Sequence[int]]]:
+    """Consecutive groups of inputs that each fit one decode."""
+    groups: list[list[Sequence[int]]] = []
+    size = 0
+    for tokens in inputs:
+        if not groups or size + len(tokens) > n_batch or len(groups[-1]) == n_seq_max:
+            groups.append([])
+            size = 0
+        groups[-1].append(tokens)
+        size += len(tokens)
+    return groups
+
+
+def _unit(vector: list[float]) -> list[float]:
+    norm = math.sqrt(sum(v * v for v in vector))
+    return [v / norm for v in vector] if norm > 0 else vector
+
+
+def model_pooling(model: ffi.Model) -> str:
+    """The pooling a model asks for in its metadata; "mean" when it asks for none (a causal
+    language model)."""
+    architecture = model.meta("general.architecture") or ""
+    kind = model.meta(f"{architecture}.pooling_type")
+    return {"2": "cls", "3": "last"}.get(kind or "", "mean")
+
+
+@contextlib.asynccontextmanager
+async def open_embedder(
+    model: ffi.Model, *, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int, pooling: str | None
+) -> AsyncIterator[Embedder]:
+    """An ``Embedder`` for the block, closed when it ends.
+
+    *Cancellation*: leaving the block waits for a decode in progress, then frees everything.
+    """
+    thread = DecodeThread(name="llama-trio-embed")
+    try:
+
+        def create() -> Embedder:
+            context = ffi.Context(
+                model,
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_seq_max=n_seq_max,
+                n_threads=n_threads,
+                embeddings=True,
+                pooling=pooling or model_pooling(model),
+            )
+            return Embedder(context, thread)
+
+        embedder = await thread.run(create)
+    except BaseException:
+        thread.close()
+        raise
+    try:
+        yield embedder
+    finally:
+        embedder.close()

@@ -1,0 +1,103 @@
+"""``/v1/embeddings`` through the ``openai`` SDK against a real server started with
+``--embeddings``."""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def embedding_server() -> Iterator[ServerProcess]:
+    args = ["--embeddings", "--parallel", "4", "--ctx-size", "2048", "--batch-size", "256", "--threads", "2"]
+    with ServerProcess(args) as proc:
+        proc.wait_ready()
+        yield proc
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log, proc.log[-5000:]
+
+
+@pytest.fixture(scope="module")
+def client(embedding_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=embedding_server.url + "/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+TEXTS = ["The cat sat on the mat.", "A dog barked at the mailman.", "The cat sat on the mat.", "Quantum physics."]
+
+
+def test_vectors_are_unit_length_and_identical_texts_agree(client: openai.OpenAI) -> None:
+    result = client.embeddings.create(model="x", input=TEXTS, encoding_format="float")
+    vectors = [d.embedding for d in result.data]
+    assert [d.index for d in result.data] == [0, 1, 2, 3]
+    assert len({len(v) for v in vectors}) == 1 and len(vectors[0]) > 100
+    for v in vectors:
+        assert math.sqrt(sum(x * x for x in v)) == pytest.approx(1.0, abs=1e-4)
+    assert cosine(vectors[0], vectors[2]) == pytest.approx(1.0, abs=1e-5)
+    assert cosine(vectors[0], vectors[1]) < 0.999
+    assert result.usage.prompt_tokens == result.usage.total_tokens > 0
+
+
+def test_a_batch_equals_the_same_inputs_one_by_one(client: openai.OpenAI) -> None:
+    batch = [d.embedding for d in client.embeddings.create(model="x", input=TEXTS, encoding_format="float").data]
+    for text, vector in zip(TEXTS, batch, strict=True):
+        alone = client.embeddings.create(model="x", input=text, encoding_format="float").data[0].embedding
+        assert cosine(alone, vector) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_base64_decodes_to_the_same_floats(embedding_server: ServerProcess, client: openai.OpenAI) -> None:
+    floats = client.embeddings.create(model="x", input=TEXTS[0], encoding_format="float").data[0].embedding
+    raw = httpx.post(
+        embedding_server.url + "/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"}, timeout=60
+    ).json()["data"][0]["embedding"]
+    data = base64.b64decode(raw)
+    decoded = list(struct.unpack(f"<{len(data) // 4}f", data))
+    assert decoded == pytest.approx(floats, abs=1e-6)
+    # The SDK asks for base64 by default and decodes it itself.
+    assert client.embeddings.create(model="x", input=TEXTS[0]).data[0].embedding == pytest.approx(floats, abs=1e-6)
+
+
+def test_token_id_inputs(embedding_server: ServerProcess, model: Any, client: openai.OpenAI) -> None:
+    ids = model.vocab.tokenize(TEXTS[0], add_special=True)
+    by_text = client.embeddings.create(model="x", input=TEXTS[0], encoding_format="float").data[0].embedding
+    by_ids = client.embeddings.create(model="x", input=ids, encoding_format="float").data[0].embedding
+    assert cosine(by_text, by_ids) == pytest.approx(1.0, abs=1e-5)
+    two = client.embeddings.create(model="x", input=[ids, ids[:3]], encoding_format="float").data
+    assert len(two) == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": ""}, "input"),
+        ({"input": ["ok", ""]}, "input[1]"),
+        ({"input": "word " * 400}, "input"),
+        ({"input": [1, 99_999_999]}, "input"),
+        ({"input": "x", "dimensions": 8}, "dimensions"),
+        ({"input": ["x"] * 257}, "input"),
+    ],
+    ids=["empty", "empty-in-list", "too-long", "unknown-token", "dimensions", "too-many"],
+)
+def test_bad_inputs_are_400s(embedding_server: ServerProcess, body: dict[str, Any], param: str) -> None:
+    response = httpx.post(embedding_server.url + "/v1/embeddings", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_off_unless_asked(server: ServerProcess) -> None:
+    response = httpx.post(server.url + "/v1/embeddings", json={"input": "x"}, timeout=30)
+    assert response.status_code == 404
+    assert "--embeddings" in response.json()["error"]["message"]
