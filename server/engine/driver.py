@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -254,7 +253,7 @@ class Engine:
             request = self._queue.popleft()
             job = request.job
             try:
-                samplers = [ffi.Sampler(_seeded(job.sampling, m.index), self.vocab.n_tokens) for m in request.members]
+                samplers = [ffi.Sampler(job.sampling_for(m.index), self.vocab.n_tokens) for m in request.members]
             except Exception as exc:  # one job's bad parameters must never stop the engine task
                 logger.exception("cannot build a sampler; ending that job")
                 request.phase = None
@@ -443,14 +442,6 @@ class Engine:
         self._batch.close()
         self.context.close()
         self._thread.close()
-
-
-def _seeded(sampling: ffi.SamplingParams, index: int) -> ffi.SamplingParams:
-    """Choice ``index``'s sampling: the job's seed + index, so that choices differ and each is
-    reproducible (no seed: each draws its own)."""
-    if index == 0 or sampling.seed is None:
-        return sampling
-    return dataclasses.replace(sampling, seed=(sampling.seed + index) & 0xFFFFFFFF)
 
 
 @contextlib.asynccontextmanager

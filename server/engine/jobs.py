@@ -5,6 +5,7 @@ reader that takes pieces straight from the engine task. Plain data; no IO, no ll
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,13 @@ class Job:
     @property
     def n_choices(self) -> int:
         return self.n * (1 + len(self.more_prompts))
+
+    def sampling_for(self, index: int) -> ffi.SamplingParams:
+        """Choice ``index``'s sampling: the job's seed + index, so that choices differ and each
+        is reproducible (no seed: each draws its own)."""
+        if index == 0 or self.sampling.seed is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) & 0xFFFFFFFF)
 
 
 @dataclass(frozen=True)
