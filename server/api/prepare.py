@@ -213,9 +213,9 @@ def _completion_prompts(req: schema.CompletionRequest, n_vocab: int) -> list[str
     if isinstance(prompt, str):
         return [prompt]
     if all(isinstance(p, int) for p in prompt):
-        prompts: list[str | list[int]] = [list(prompt)]  # type: ignore[arg-type]
+        prompts: list[str | list[int]] = [list(prompt)]
     else:
-        prompts = list(prompt)  # type: ignore[arg-type]
+        prompts = list(prompt)
     for i, p in enumerate(prompts):
         if isinstance(p, list):
             for j, token in enumerate(p):

@@ -223,14 +223,23 @@ class ChatCompletionRequest(CommonFields):
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
+def _texts_or_tokens(most: int) -> Any:
+    """A string, strings, token ids, or lists of token ids (at most ``most`` strings or lists):
+    what completions take as ``prompt`` and embeddings as ``input``."""
+    return (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=most)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=most)]
+    )
+
+
+PromptInput = _texts_or_tokens(MAX_PROMPTS)  # one answer each
+
+
 class CompletionRequest(CommonFields):
     # A string, strings (one answer each), token ids, or lists of token ids (one answer each).
-    prompt: (
-        str
-        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
-    )
+    prompt: PromptInput  # type: ignore[valid-type]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -248,18 +257,12 @@ class CompletionRequest(CommonFields):
 
 
 MAX_EMBEDDING_INPUTS = 256
+EmbeddingInput = _texts_or_tokens(MAX_EMBEDDING_INPUTS)  # one embedding each
 
 
 class EmbeddingRequest(_Request):
     # A string, strings, token ids, or lists of token ids: one embedding each.
-    input: (
-        str
-        | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[
-            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
-        ]
-    )
+    input: EmbeddingInput  # type: ignore[valid-type]
     model: str | None = None
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Annotated[int, Field(ge=1)] | None = None

@@ -107,14 +107,7 @@ class Engine:
         error = self.admission_error(job)
         if error is not None:
             raise error
-        request: Request | None = None
-        for prompt in job.prompts:
-            source = None
-            for _ in range(job.n):
-                member = Request(job, self.config.channel_size, lead=request, prompt=prompt, source=source)
-                request = request or member
-                source = source or member
-        assert request is not None
+        request = Request.for_job(job, self.config.channel_size)
         self._queue.append(request)
         self.stats.queued = len(self._queue)
         self._wake()
@@ -157,7 +150,7 @@ class Engine:
         """End every queued job with ``error`` now (they never decode)."""
         while self._queue:
             request = self._queue.popleft()
-            self._end_with_error(request, error)
+            request.end_with(error)
         self.stats.queued = 0
 
     def abort_all(self, error: EngineError) -> None:
@@ -166,7 +159,7 @@ class Engine:
         self.fail_queued(error)
         for slot in self._slots:
             if slot.request is not None:
-                self._end_with_error(slot.request, error)
+                slot.request.end_with(error)
         self._wake()
 
     @property
@@ -257,7 +250,7 @@ class Engine:
             except Exception as exc:  # one job's bad parameters must never stop the engine task
                 logger.exception("cannot build a sampler; ending that job")
                 request.phase = None
-                self._end_with_error(request, EngineFailure(f"cannot build the sampler: {exc}"))
+                request.end_with(EngineFailure(f"cannot build the sampler: {exc}"))
                 continue
             slots: dict[Request, Slot] = {}
             for source in (m for m in request.members if m.source is m):
@@ -329,7 +322,7 @@ class Engine:
             request.n_generated += 1
             self.stats.generated_tokens += 1
             if request.failure is not None:
-                self._end_with_error(request, request.failure)
+                request.end_with(request.failure)
                 continue
             detok = request.detok
             assert detok is not None
@@ -375,9 +368,7 @@ class Engine:
             request.sent -= 1
             self._hand_out_one(request, piece)
             if last:
-                request.lead.unfinished -= 1
-                if request.lead.unfinished == 0:  # every choice is done
-                    request.send.close()
+                request.finish_choice()
 
     def _hand_out_one(self, request: Request, item: Piece) -> None:
         sink = request.sink
@@ -397,23 +388,12 @@ class Engine:
             logger.error("delivery to a full channel; dropping the job")
             request.released = True
 
-    def _end_with_error(self, request: Request, error: EngineError) -> None:
-        if request.send.statistics().current_buffer_used >= request.send.statistics().max_buffer_size:
-            # Make room: the error matters more than text the reader has not taken yet.
-            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
-                request.receive.receive_nowait()
-        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            request.send.send_nowait(error)
-        request.send.close()
-        for member in request.lead.members:  # the job ends for every choice
-            member.released = True
-
     def _fail_step(self, plan: list[scheduler.PlanEntry], exc: ffi.DecodeError) -> None:
         logger.error("decode failed: %s; ending the %d jobs in that step", exc, len(plan))
         for entry in plan:
             request = self._slots[entry.slot].request
             if request is not None:
-                self._end_with_error(request, EngineFailure(f"decoding failed: {exc}"))
+                request.end_with(EngineFailure(f"decoding failed: {exc}"))
 
     def _update_stats(self, *, kv: bool = True) -> None:
         stats = self.stats

@@ -7,6 +7,7 @@ waits for it, the decode thread touch them. ``Pieces`` is what ``Engine.submit``
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import trio
@@ -100,6 +101,38 @@ class Request:
         self.matcher: Matcher | None = None  # the job's place in its grammar, once admitted
         self.failure: EngineError | None = None  # set in the decode thread: end the job with it
         self.logprob: TokenLogprob | None = None  # of the token just sampled, when the job asks
+
+    @classmethod
+    def for_job(cls, job: Job, channel_size: int) -> Request:
+        """The requests of ``job``, one per choice (each prompt's choices after its source);
+        returns the lead, whose ``members`` holds them all."""
+        lead: Request | None = None
+        for prompt in job.prompts:
+            source = None
+            for _ in range(job.n):
+                member = cls(job, channel_size, lead=lead, prompt=prompt, source=source)
+                lead = lead or member
+                source = source or member
+        assert lead is not None
+        return lead
+
+    def finish_choice(self) -> None:
+        """This choice has sent its last piece: the channel closes with the job's last one."""
+        self.lead.unfinished -= 1
+        if self.lead.unfinished == 0:
+            self.send.close()
+
+    def end_with(self, error: EngineError) -> None:
+        """End the whole job with ``error`` (the reader gets it next, before any text it has not
+        taken yet); every choice is released."""
+        if self.send.statistics().current_buffer_used >= self.send.statistics().max_buffer_size:
+            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
+                self.receive.receive_nowait()  # make room: the error matters more
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.send.send_nowait(error)
+        self.send.close()
+        for member in self.lead.members:
+            member.released = True
 
 
 class Slot:
