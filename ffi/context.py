@@ -221,6 +221,26 @@ class Context:
         hi = self.seq_pos_max(seq_id)
         return 0 if hi < 0 else hi - self.seq_pos_min(seq_id) + 1
 
+    def seq_state(self, seq_id: int) -> bytearray:
+        """A copy of ``seq_id``'s state (its KV cells and their positions) in host memory, for
+        ``seq_restore``. Blocking for a few ms per thousand cells: call it off the event loop."""
+        size = lib.llama_state_seq_get_size(self.ptr, seq_id)
+        data = bytearray(size)
+        written = lib.llama_state_seq_get_data(self.ptr, ffi.from_buffer("uint8_t[]", data), size, seq_id)
+        if written != size:
+            raise ContextError(f"sequence {seq_id}: state is {size} bytes, {written} were copied")
+        return data
+
+    def seq_restore(self, data: bytes | bytearray, seq_id: int) -> bool:
+        """Load a state from ``seq_state`` (of any sequence of a context like this one) into
+        ``seq_id``, which should hold no cells. False when llama.cpp could not (no room); then
+        ``seq_id`` holds nothing."""
+        read = lib.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id)
+        if read == 0:
+            self.seq_rm(seq_id)
+            return False
+        return True
+
     def cells_used(self) -> int:
         """Cells held by all sequences together (shared cells counted once per sequence)."""
         return sum(self.seq_cells(s) for s in range(self.n_seq_max))

@@ -143,6 +143,11 @@ void llama_memory_seq_keep(llama_memory_t mem, llama_seq_id seq_id);
 llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
 llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
 
+/* one sequence's state (its KV cells) to and from host memory */
+size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
+
 /* batch */
 struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
 void llama_batch_free(struct llama_batch batch);

@@ -36,6 +36,7 @@ class Settings:
     api_key: tuple[str, ...] = ()
     api_key_file: str | None = None
     max_queue: int = 64
+    cache_ram: int = 2048  # MiB
     max_tokens: int | None = None  # ceiling on any request's max_tokens
     drain_timeout: float = 30.0
     max_body: int = 4 * 1024 * 1024
@@ -76,6 +77,9 @@ _HELP = {
     "api_key": "accepted API key (repeatable; env: comma-separated)",
     "api_key_file": "file with one API key per line",
     "max_queue": "requests waiting for a free sequence before 503",
+    "cache_ram": (
+        "MiB of host RAM for prompt prefixes evicted from the sequences, restored when a prompt extends one (0: off)"
+    ),
     "max_tokens": "ceiling on any request's max_tokens (also the default when a request sets none)",
     "drain_timeout": "seconds in-flight requests may run after SIGTERM",
     "max_body": "largest request body in bytes (413 above)",
@@ -147,6 +151,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     settings = Settings(**values)  # type: ignore[arg-type]
     if settings.pooling not in {None, "mean", "cls", "last"}:
         parser.error("--pooling must be mean, cls or last")
+    if settings.cache_ram < 0:
+        parser.error("--cache-ram must be 0 (off) or a number of MiB")
     if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
         parser.error("--ping-interval must be a positive number of seconds")
     return settings

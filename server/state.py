@@ -117,6 +117,7 @@ class ServerState:
                 n_batch=s.batch_size,
                 n_threads=s.threads,
                 max_queue=s.max_queue,
+                cache_bytes=s.cache_ram * 1024 * 1024,
             )
             async with contextlib.AsyncExitStack() as stack:
                 engine = await stack.enter_async_context(open_engine(model, config))

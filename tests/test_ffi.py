@@ -140,6 +140,33 @@ def test_removing_a_sequence_frees_its_cells(model: ffi.Model, context: ffi.Cont
     assert context.seq_pos_max(1) == -1
 
 
+@pytest.mark.parametrize("unified", [True, False])
+def test_a_saved_sequence_state_restores_into_another_sequence(model: ffi.Model, unified: bool) -> None:
+    """What the host prompt cache relies on: a sequence's cells, copied to host memory and back
+    into another sequence (also of a per-sequence KV layout), continue exactly as the original."""
+    prompt = model.vocab.tokenize(PROMPT)
+    with (
+        ffi.Context(model, n_ctx=512, n_batch=64, n_seq_max=2, n_threads=2, kv_unified=unified) as context,
+        ffi.Batch(64) as batch,
+    ):
+        batch.add_run(prompt[:-1], 0, 0, logits_last=False)
+        context.decode(batch)
+        state = context.seq_state(0)
+        assert len(state) > 0
+        assert context.seq_restore(state, 1)
+        assert context.seq_cells(1) == len(prompt) - 1
+        batch.clear()
+        first = batch.add(prompt[-1], len(prompt) - 1, 0, logits=True)
+        second = batch.add(prompt[-1], len(prompt) - 1, 1, logits=True)
+        context.decode(batch)
+        assert context.logprobs(first, 0, 5) == context.logprobs(second, 0, 5)
+        context.seq_rm(0)
+        context.seq_rm(1)
+        assert context.cells_used() == 0
+        assert not context.seq_restore(b"not a state", 1)
+        assert context.seq_cells(1) == 0
+
+
 def test_penalties_and_logit_bias_steer_sampling(model: ffi.Model, context: ffi.Context) -> None:
     prompt = model.vocab.tokenize(PROMPT)
     plain = generate(model, context, prompt, 8, ffi.SamplingParams(temperature=0))

@@ -5,9 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from server.engine.scheduler import (
     PlanEntry,
+    SlotChoice,
     StopMatcher,
     Verdict,
     common_prefix,
@@ -22,23 +25,87 @@ def test_common_prefix() -> None:
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix([], [1]) == 0
     assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix((1, 2), [1, 2, 3]) == 2  # any sequence types
+
+
+@given(st.lists(st.integers(0, 3), max_size=600), st.lists(st.integers(0, 3), max_size=600))
+def test_common_prefix_matches_the_definition(a: list[int], b: list[int]) -> None:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    assert common_prefix(a, b) == n
+    long = list(range(1000))
+    assert common_prefix(long, [*long[:700], -1]) == 700
+
+
+def choose(cached: list[list[int]], last_used: list[int], prompt: list[int], saved: int = 0) -> SlotChoice:
+    return pick_slot(cached, [len(c) for c in cached], last_used, prompt, saved=saved)
 
 
 def test_pick_slot_prefers_longest_prefix_and_keeps_one_token_to_compute() -> None:
-    cached = [[9, 9], [1, 2, 3, 4], [1, 2]]
-    choice = pick_slot(cached, [5, 1, 7], [1, 2, 3, 4])
-    assert choice.index == 1
-    assert choice.reuse == 3  # the last prompt token is recomputed for its logits
+    choice = choose([[9, 9], [1, 2, 3, 4], [1, 2]], [5, 1, 7], [1, 2, 3, 4])
+    assert choice == SlotChoice(1, 3)  # the last prompt token is recomputed for its logits
 
 
-def test_pick_slot_without_match_takes_least_recently_used() -> None:
-    choice = pick_slot([[5], [6], [7]], [3, 1, 2], [1, 2])
-    assert choice == type(choice)(1, 0)
+def test_pick_slot_without_match_takes_an_empty_slot_before_the_least_recently_used() -> None:
+    assert choose([[5], [6], [7]], [3, 1, 2], [1, 2]) == SlotChoice(1, 0)
+    assert choose([[5], [], [7], []], [1, 3, 2, 4], [1, 2]) == SlotChoice(1, 0)
 
 
-def test_pick_slot_breaks_ties_by_recency() -> None:
-    choice = pick_slot([[1, 2, 3], [1, 2, 4]], [1, 2], [1, 2, 9])
-    assert choice.index == 1 and choice.reuse == 2
+def test_pick_slot_breaks_ties_by_fewer_lost_then_recency() -> None:
+    assert choose([[1, 2, 3], [1, 2, 4]], [1, 2], [1, 2, 9]) == SlotChoice(1, 2)
+    assert choose([[1, 2, 3, 5], [1, 2, 4]], [2, 1], [1, 2, 9]) == SlotChoice(1, 2)
+
+
+def test_a_short_match_does_not_evict_a_long_cache_while_a_slot_is_empty() -> None:
+    # Two prompts sharing a 3-token chat template: B must not overwrite A's cache.
+    a = [1, 2, 3, *range(10, 30)]
+    b = [1, 2, 3, *range(40, 60)]
+    assert choose([a, [], []], [5, 0, 0], b) == SlotChoice(1, 0)
+    # With every slot holding a cache, the least recently used one goes, keeping its match.
+    assert choose([a, [7] * 30], [5, 2], b) == SlotChoice(1, 0)
+    assert choose([a, [7] * 30], [1, 2], b) == SlotChoice(0, 3)
+
+
+def test_a_match_that_keeps_as_much_as_it_throws_away_is_taken_over_an_empty_slot() -> None:
+    turn1 = list(range(100))
+    turn2 = [*turn1[:90], *range(500, 520)]  # 90 kept, 10 thrown away
+    assert choose([[], turn1, []], [0, 1, 0], turn2) == SlotChoice(1, 90)
+
+
+def test_another_scopes_cache_counts_as_held_but_never_matches() -> None:
+    # Slot 0 holds another tenant's cache of the same prompt: it is neither reused nor
+    # preferred over an empty slot.
+    assert pick_slot([(), ()], [50, 0], [1, 2], list(range(60))) == SlotChoice(1, 0)
+
+
+def test_the_host_cache_restores_into_an_empty_slot_when_it_saves_more() -> None:
+    prompt = list(range(100))
+    assert choose([[0, 1, 2], []], [3, 0], prompt, saved=80) == SlotChoice(1, 80, restore=True)
+    # ... but not when a slot already holds at least as much.
+    assert choose([prompt[:90], []], [3, 0], prompt, saved=80) == SlotChoice(0, 90)
+    # Full slots: the least recently used one is evicted for the restore.
+    assert choose([[7] * 50, [8] * 50], [3, 1], prompt, saved=80) == SlotChoice(1, 80, restore=True)
+    # A restore never covers the last prompt token.
+    assert choose([[]], [0], prompt, saved=100) == SlotChoice(0, 99, restore=True)
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 2), max_size=12), min_size=1, max_size=5),
+    st.lists(st.integers(0, 2), min_size=1, max_size=12),
+    st.integers(0, 12),
+)
+def test_pick_slot_invariants(cached: list[list[int]], prompt: list[int], saved: int) -> None:
+    last_used = list(range(len(cached)))
+    choice = choose(cached, last_used, prompt, saved)
+    assert 0 <= choice.index < len(cached)
+    assert choice.reuse <= len(prompt) - 1
+    if not choice.restore:
+        assert choice.reuse <= common_prefix(cached[choice.index], prompt)
+    lost = len(cached[choice.index]) - (0 if choice.restore else choice.reuse)
+    if lost > 0 and any(not c for c in cached):
+        # A cache is only destroyed while an empty slot is free when the match is worth it.
+        assert not choice.restore and choice.reuse >= lost
 
 
 def test_plan_puts_decoders_first_then_chunks_in_order() -> None:

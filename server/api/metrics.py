@@ -35,6 +35,8 @@ class _EngineCollector(Collector):
             ("kv_cells_used", "KV cache cells in use", stats.kv_cells_used),
             ("kv_cells_cached", "KV cells kept by idle sequences for prefix reuse", stats.kv_cells_cached),
             ("last_step_seconds", "duration of the last decode step", stats.last_step_seconds),
+            ("prompt_cache_bytes", "bytes of saved prompt prefixes held in host RAM", stats.prompt_cache_bytes),
+            ("prompt_cache_entries", "saved prompt prefixes held in host RAM", stats.prompt_cache_entries),
         ):
             yield GaugeMetricFamily(f"llama_trio_{name}", doc, value=value)
         tokens = CounterMetricFamily("llama_trio_tokens", "tokens processed", labels=["kind"])
@@ -54,6 +56,19 @@ class _EngineCollector(Collector):
             "seconds spent on grammar masks and grammar steps (decode thread)",
             value=stats.constraint_seconds,
         )
+        lookups = CounterMetricFamily(
+            "llama_trio_prompt_cache_lookups", "host prompt cache lookups, by result", labels=["result"]
+        )
+        lookups.add_metric(["hit"], stats.prompt_cache_hits)
+        lookups.add_metric(["miss"], stats.prompt_cache_misses)
+        yield lookups
+        for name, doc, value in (
+            ("tokens_restored", "prompt tokens restored from host RAM", stats.prompt_cache_tokens_restored),
+            ("saves", "sequence caches saved to host RAM", stats.prompt_cache_saves),
+            ("save_seconds", "seconds spent saving caches (decode thread)", stats.prompt_cache_save_seconds),
+            ("restore_seconds", "seconds spent restoring caches (decode thread)", stats.prompt_cache_restore_seconds),
+        ):
+            yield CounterMetricFamily(f"llama_trio_prompt_cache_{name}", doc, value=value)
         cancels = CounterMetricFamily("llama_trio_cancellations", "jobs released early, by phase", labels=["phase"])
         for phase, count in stats.cancellations.items():
             cancels.add_metric([phase], count)

@@ -19,6 +19,7 @@ def merged_usage(usages: list[Usage]) -> Usage:
         sum(u.prompt_tokens for u in usages),
         sum(u.completion_tokens for u in usages),
         sum(u.cached_tokens for u in usages),
+        sum(u.restored_tokens for u in usages),
     )
 
 
@@ -66,12 +67,13 @@ class Trace:
             self.state.metrics.token_latency.observe(per_token)
             rate = f"{1 / per_token:.1f}"
         logger.info(
-            "POST %s %d prompt=%s completion=%s cached=%s ttft=%s tok/s=%s end=%s total=%.0fms",
+            "POST %s %d prompt=%s completion=%s cached=%s restored=%s ttft=%s tok/s=%s end=%s total=%.0fms",
             self.path,
             self.status,
             usage.prompt_tokens if usage else "-",
             usage.completion_tokens if usage else "-",
             usage.cached_tokens if usage else "-",
+            usage.restored_tokens if usage else "-",
             ttft,
             rate,
             self.ending,

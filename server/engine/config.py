@@ -16,6 +16,8 @@ class EngineConfig:
     max_queue: int = 64
     # Pieces buffered per job before its sequence pauses; a reader this far behind is slow.
     channel_size: int = 32
+    # Host RAM for prompt prefixes evicted from the sequences (``prompt_cache``); 0: none.
+    cache_bytes: int = 0
 
 
 # While the engine is busy, the KV cell counts in ``EngineStats`` are refreshed every this many
@@ -41,4 +43,13 @@ class EngineStats:
     constraint_seconds: float = 0.0  # their masks and grammar steps, in the decode thread
     last_step_seconds: float = 0.0
     requests_finished: int = 0
+    # The host-memory prompt cache (``prompt_cache.HostCache``)
+    prompt_cache_hits: int = 0  # jobs that restored a saved prefix
+    prompt_cache_misses: int = 0  # jobs that looked and found nothing better than the sequences
+    prompt_cache_tokens_restored: int = 0
+    prompt_cache_saves: int = 0
+    prompt_cache_bytes: int = 0
+    prompt_cache_entries: int = 0
+    prompt_cache_save_seconds: float = 0.0
+    prompt_cache_restore_seconds: float = 0.0
     cancellations: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})

@@ -44,6 +44,7 @@ from server.engine.jobs import (
     ShuttingDown,
     Usage,
 )
+from server.engine.prompt_cache import Placer
 from server.engine.request import Pieces, Request, Slot
 from server.engine.step import run_step
 
@@ -89,6 +90,7 @@ class Engine:
         self._closed = False
         self._outbox: list[tuple[Request, Piece, bool]] = []  # pieces for ``_hand_out``
         self._mask = ffi.TokenMask(self.vocab.n_tokens)  # scratch for constrained sampling
+        self._placer = Placer(self.context, self.stats, config.cache_bytes)
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -180,6 +182,10 @@ class Engine:
             while True:
                 self._reap()
                 self._admit()
+                if self._placer.pending:
+                    # Saving or restoring prompt caches: C work, between decode steps.
+                    await self._thread.run(self._placer.prepare, meanwhile=self._hand_out)
+                    self._placer.settle()
                 plan = self._plan()
                 if not plan:
                     self._hand_out()
@@ -254,23 +260,14 @@ class Engine:
                 continue
             slots: dict[Request, Slot] = {}
             for source in (m for m in request.members if m.source is m):
-                # Another scope's cache counts as empty: it is never reused, only evicted.
-                cached = [s.cached if s.scope == job.cache_scope else () for s in free]
-                choice = scheduler.pick_slot(cached, [s.last_used for s in free], source.prompt)
-                slot = slots[source] = free.pop(choice.index)
-                reuse = choice.reuse
-                if reuse < len(slot.cached) and not self.context.seq_rm(slot.seq_id, reuse, -1):
-                    self.context.seq_rm(slot.seq_id)
-                    reuse = 0
-                del slot.cached[reuse:]
-                source.n_past = source.n_prompt_done = source.cached_tokens = reuse
-                self.stats.cached_tokens += reuse
+                slots[source] = self._placer.place(free, source, job.cache_scope)
             # The copies' sequences get the source's cells: the least recently used free
             # sequences give theirs up.
             free.sort(key=lambda s: s.last_used)
             for member in request.members:
                 if member.source is not member:
                     slots[member] = free.pop(0)
+                    self._placer.evict(slots[member])
             for member, sampler in zip(request.members, samplers, strict=True):
                 slot = slots[member]
                 self._tick += 1
@@ -350,7 +347,7 @@ class Engine:
                 text += scheduler.release_held(request.stops, detok.flush())
             # A copy's prompt was its source's: a job's usage is the sum over its choices.
             prompt_tokens = len(request.prompt) if request.source is request else 0
-            usage = Usage(prompt_tokens, request.n_generated, request.cached_tokens)
+            usage = Usage(prompt_tokens, request.n_generated, request.cached_tokens, request.restored_tokens)
             self._queue_piece(request, Piece(text, tokens, verdict.finish, usage, logprobs, request.index), last=True)
             request.phase = None
             self.stats.requests_finished += 1
@@ -419,6 +416,7 @@ class Engine:
             if slot.request is not None and slot.request.sampler is not None:
                 slot.request.sampler.close()
             slot.request = None
+        self._placer.host.clear()
         self._batch.close()
         self.context.close()
         self._thread.close()

@@ -62,6 +62,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    restored_tokens: int = 0  # of the cached ones, restored from the host-memory prompt cache
 
     @property
     def total_tokens(self) -> int:

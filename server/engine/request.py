@@ -42,6 +42,7 @@ class Request:
         "n_prompt_done",
         "n_generated",
         "cached_tokens",
+        "restored_tokens",
         "pending",
         "paused",
         "sent",
@@ -88,7 +89,8 @@ class Request:
         self.n_past = 0  # tokens of this sequence in KV
         self.n_prompt_done = 0
         self.n_generated = 0
-        self.cached_tokens = 0
+        self.cached_tokens = 0  # prompt tokens whose cells were kept or restored
+        self.restored_tokens = 0  # of those, restored from the host cache
         self.pending: int | None = None  # sampled token to decode next step
         self.paused = False
         # Items put into / taken out of the channel; their difference is what it buffers (cheaper

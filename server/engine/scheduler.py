@@ -1,7 +1,7 @@
 """Pure scheduling logic for the engine: no IO, no llama.cpp, testable on its own.
 
-- ``common_prefix`` / ``pick_slot``: which free sequence to give a new job so that the most
-  prompt tokens already in its KV cells can be kept.
+- ``common_prefix`` / ``pick_slot``: which free sequence to give a new job: the one that saves
+  the most prompt work without throwing away more cached work than it saves.
 - ``plan_step``: what one decode step carries — one token for every decoding sequence, then
   prompt chunks of prefilling sequences in arrival order, within the batch budget.
 - ``StopMatcher``: stop strings that may span token boundaries, holding back text that could
@@ -19,36 +19,66 @@ from typing import NamedTuple
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
+    a, b = list(a), list(b)
     n = min(len(a), len(b))
     i = 0
+    # Whole blocks compare at C speed; only the block with the first difference goes token by token.
+    while i + _BLOCK <= n and a[i : i + _BLOCK] == b[i : i + _BLOCK]:
+        i += _BLOCK
     while i < n and a[i] == b[i]:
         i += 1
     return i
 
 
+_BLOCK = 128
+
+
 @dataclass(frozen=True)
 class SlotChoice:
     index: int  # position in the candidates given to ``pick_slot``
-    reuse: int  # prompt tokens whose KV cells are kept
+    reuse: int  # prompt tokens whose KV cells are kept (or restored)
+    restore: bool = False  # the reused tokens come from the host cache, not from the slot
 
 
-def pick_slot(cached: Sequence[Sequence[int]], last_used: Sequence[int], prompt: Sequence[int]) -> SlotChoice:
-    """Choose among free slots (their cached tokens and last-use ticks) for ``prompt``.
+def pick_slot(
+    cached: Sequence[Sequence[int]],
+    held: Sequence[int],
+    last_used: Sequence[int],
+    prompt: Sequence[int],
+    *,
+    saved: int = 0,
+) -> SlotChoice:
+    """Choose among free slots for ``prompt``, by what the choice saves and what it destroys.
 
-    The slot with the longest usable prefix wins; with no match anywhere, the least recently
-    used slot is taken, so that recent conversations keep their cache longest. At least the last
-    prompt token is always recomputed, because its logits are needed to sample.
+    ``cached[i]`` are the tokens slot ``i`` holds that this job may reuse (empty for another
+    scope's cache), ``held[i]`` how many cells it holds in all, ``last_used[i]`` its last-use
+    tick; ``saved`` is the longest prefix of the prompt the host cache could restore.
+
+    1. A slot whose cache matches the prompt for at least as many tokens as it would throw
+       away: the longest match wins (ties: fewer thrown away, then the most recent).
+    2. Else, when the host cache restores more than any slot's match, it restores into the
+       slot chosen as in 3.
+    3. Else an empty slot; else the least recently used one (its cache is the least likely to
+       be wanted again), keeping whatever prefix it matches.
+
+    So a short match never evicts a long cache while an empty slot is free. At least the last
+    prompt token is always computed, because its logits are needed to sample.
     """
     if not cached:
         raise ValueError("no free slot")
-    best, best_len = -1, 0
-    for i, tokens in enumerate(cached):
-        n = common_prefix(tokens, prompt)
-        if n > best_len or (n == best_len and n > 0 and last_used[i] > last_used[best]):
-            best, best_len = i, n
-    if best < 0:
-        best = min(range(len(cached)), key=lambda i: last_used[i])
-    return SlotChoice(best, min(best_len, max(len(prompt) - 1, 0)))
+    limit = max(len(prompt) - 1, 0)
+    match = [min(common_prefix(tokens, prompt), limit) for tokens in cached]
+    keeps = [i for i in range(len(cached)) if match[i] > 0 and match[i] >= held[i] - match[i]]
+    best = max(keeps, key=lambda i: (match[i], -held[i], last_used[i]), default=None)
+    saved = min(saved, limit)
+    if best is not None and match[best] >= saved:
+        return SlotChoice(best, match[best])
+    empty = [i for i in range(len(cached)) if held[i] == 0]
+    pool = empty or range(len(cached))
+    victim = min(pool, key=lambda i: last_used[i])
+    if saved > match[victim]:
+        return SlotChoice(victim, saved, restore=True)
+    return SlotChoice(victim, match[victim])
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,217 @@
+"""The prompt cache beyond the sequences: which slot a job takes, and prefixes kept in host RAM.
+
+A sequence's KV cells are the first cache: a job placed in a slot whose cells match its prompt
+computes only the rest. There are only ``n_parallel`` sequences, so with more conversations than
+that, each new one evicts another's cells. ``Placer`` keeps what eviction would lose: before
+a slot's cells are cut, it copies the sequence's state (``llama_state_seq_get_data``) into
+``HostCache``, a RAM store bounded in bytes, least recently used out, keyed by the tokens and
+the tenant scope that computed them. A job whose prompt extends a saved prefix gets it restored
+into its sequence (``llama_state_seq_set_data``) and decodes only the rest.
+
+Where the C work happens: deciding is pure and runs in the engine task (``Placer.place``);
+cutting cells is one fast C call done there too; copying state out or in (milliseconds per
+thousand tokens) is queued as a ``Placement`` and run by ``Placer.prepare`` in the decode
+thread, between decode steps, while the engine task waits (``Placer.settle`` then files what
+was saved). A job released meanwhile is reaped as usual afterwards: its cells are freed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import ffi
+from server.engine import scheduler
+from server.engine.config import EngineStats
+from server.engine.request import Request, Slot
+
+logger = logging.getLogger(__name__)
+
+# Caches shorter than this are not worth a copy (a chat template's preamble is about 30).
+MIN_SAVED_TOKENS = 64
+
+
+@dataclass(eq=False)
+class Entry:
+    scope: str
+    tokens: list[int]
+    data: bytearray
+
+
+class HostCache:
+    """Saved sequence states in RAM, at most ``limit`` bytes, least recently used out.
+
+    Owned by the engine task: only it calls these methods. No entry's tokens are a prefix of
+    another entry's of the same scope (the longer one serves both), so each saved token is held
+    once per conversation.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit > 0
+
+    def lookup(self, scope: str, prompt: Sequence[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with ``prompt`` in ``scope``, and that length."""
+        best: Entry | None = None
+        best_len = 0
+        for entry in self._entries.values():
+            if entry.scope == scope:
+                n = scheduler.common_prefix(entry.tokens, prompt)
+                if n > best_len:
+                    best, best_len = entry, n
+        return best, best_len
+
+    def wants(self, scope: str, tokens: Sequence[int]) -> bool:
+        """Whether ``tokens`` are worth saving: long enough, and not already held by an entry."""
+        if not self.enabled or len(tokens) < MIN_SAVED_TOKENS:
+            return False
+        for entry in self._entries.values():
+            if entry.scope == scope and scheduler.common_prefix(entry.tokens, tokens) == len(tokens):
+                self.touch(entry)
+                return False
+        return True
+
+    def touch(self, entry: Entry) -> None:
+        if id(entry) in self._entries:
+            self._entries.move_to_end(id(entry))
+
+    def put(self, entry: Entry) -> bool:
+        """File ``entry``; entries it extends go, then the least recently used until it fits.
+        False (nothing changes) when it alone is over the limit."""
+        if len(entry.data) > self.limit:
+            return False
+        n = len(entry.tokens)
+        for key, old in list(self._entries.items()):
+            if old.scope == entry.scope and scheduler.common_prefix(old.tokens, entry.tokens) == len(old.tokens) <= n:
+                self._drop(key)
+        while self._entries and self.bytes + len(entry.data) > self.limit:
+            self._drop(next(iter(self._entries)))
+        self._entries[id(entry)] = entry
+        self.bytes += len(entry.data)
+        return True
+
+    def _drop(self, key: int) -> None:
+        self.bytes -= len(self._entries.pop(key).data)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+
+@dataclass(eq=False)
+class Placement:
+    """C work a slot needs before its job's prompt is filled: save what it holds, then keep
+    ``keep`` of its cells or restore ``restore`` and keep that much of it."""
+
+    slot: Slot
+    request: Request | None  # None: the slot goes to a copy (n > 1), which gets the source's cells
+    keep: int
+    save: Entry | None = None  # tokens and scope to save; ``data`` is filled by ``prepare``
+    restore: Entry | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class Placer:
+    """Chooses slots for jobs and keeps their evicted caches in a ``HostCache``."""
+
+    def __init__(self, context: ffi.Context, stats: EngineStats, cache_bytes: int) -> None:
+        self._context = context
+        self._stats = stats
+        self.host = HostCache(cache_bytes)
+        self.pending: list[Placement] = []
+
+    def place(self, free: list[Slot], request: Request, scope: str) -> Slot:
+        """Take the best of ``free`` for ``request`` (removing it from the list) and set the
+        request's reused tokens. Work that needs the decode thread waits in ``pending``."""
+        prompt = request.prompt
+        entry, saved = self.host.lookup(scope, prompt) if self.host.enabled else (None, 0)
+        # Another scope's cache counts as held but never matches: it is only ever evicted.
+        cached = [s.cached if s.scope == scope else () for s in free]
+        held = [len(s.cached) for s in free]
+        choice = scheduler.pick_slot(cached, held, [s.last_used for s in free], prompt, saved=saved)
+        slot = free.pop(choice.index)
+        if self.host.enabled and len(prompt) > MIN_SAVED_TOKENS:
+            if choice.restore:
+                self._stats.prompt_cache_hits += 1
+            else:
+                self._stats.prompt_cache_misses += 1
+        self._evict(slot, choice.reuse, request, entry if choice.restore else None)
+        return slot
+
+    def evict(self, slot: Slot) -> None:
+        """``slot`` goes to a copy of another choice's cells: what it holds is saved first."""
+        self._evict(slot, 0, None, None)
+
+    def _evict(self, slot: Slot, keep: int, request: Request | None, restore: Entry | None) -> None:
+        """``slot`` keeps its first ``keep`` cells, or ``keep`` of ``restore``'s; what is lost
+        is saved when worth it."""
+        save = None
+        kept = 0 if restore is not None else keep
+        if kept < len(slot.cached) and self.host.wants(slot.scope, slot.cached):
+            save = Entry(slot.scope, list(slot.cached), bytearray())
+        if save is None and restore is None:
+            self._cut(slot, request, keep)  # one fast C call
+            return
+        if restore is not None:
+            self.host.touch(restore)
+        self.pending.append(Placement(slot, request, keep, save, restore))
+
+    def prepare(self) -> None:
+        """Run the pending placements' C work. Blocking: call it in the decode thread."""
+        context = self._context
+        for placement in self.pending:
+            slot, restore = placement.slot, placement.restore
+            started = time.perf_counter()
+            if placement.save is not None:
+                try:
+                    placement.save.data = context.seq_state(slot.seq_id)
+                except (ffi.ContextError, MemoryError) as exc:  # the cache is an optimisation
+                    logger.warning("could not save sequence %d's cache: %s", slot.seq_id, exc)
+                placement.seconds["save"] = time.perf_counter() - started
+            if restore is None:
+                self._cut(slot, placement.request, placement.keep)
+                continue
+            started = time.perf_counter()
+            context.seq_rm(slot.seq_id)
+            slot.cached.clear()
+            if context.seq_restore(restore.data, slot.seq_id):
+                slot.cached.extend(restore.tokens)
+                placement.seconds["restore"] = time.perf_counter() - started
+            self._cut(slot, placement.request, placement.keep if slot.cached else 0)
+
+    def _cut(self, slot: Slot, request: Request | None, keep: int) -> None:
+        """Keep the first ``keep`` cells of ``slot`` (all go when a partial cut fails) and start
+        ``request`` after them."""
+        if keep < len(slot.cached) and not self._context.seq_rm(slot.seq_id, keep, -1):
+            self._context.seq_rm(slot.seq_id)
+            keep = 0
+        del slot.cached[keep:]
+        if request is not None:
+            request.n_past = request.n_prompt_done = request.cached_tokens = keep
+            self._stats.cached_tokens += keep
+
+    def settle(self) -> None:
+        """After ``prepare``: file what was saved and count the work done."""
+        stats = self._stats
+        for placement in self.pending:
+            if placement.save is not None and placement.save.data and self.host.put(placement.save):
+                stats.prompt_cache_saves += 1
+            stats.prompt_cache_save_seconds += placement.seconds.get("save", 0.0)
+            if "restore" in placement.seconds and placement.request is not None:
+                stats.prompt_cache_restore_seconds += placement.seconds["restore"]
+                stats.prompt_cache_tokens_restored += placement.request.cached_tokens
+                placement.request.restored_tokens = placement.request.cached_tokens
+        self.pending.clear()
+        stats.prompt_cache_bytes = self.host.bytes
+        stats.prompt_cache_entries = len(self.host)
