@@ -65,6 +65,7 @@ class _EngineCollector(Collector):
         for name, doc, value in (
             ("tokens_restored", "prompt tokens restored from host RAM", stats.prompt_cache_tokens_restored),
             ("saves", "sequence caches saved to host RAM", stats.prompt_cache_saves),
+            ("evictions", "saved prefixes dropped to stay within --cache-ram", stats.prompt_cache_evictions),
             ("save_seconds", "seconds spent saving caches (decode thread)", stats.prompt_cache_save_seconds),
             ("restore_seconds", "seconds spent restoring caches (decode thread)", stats.prompt_cache_restore_seconds),
         ):

@@ -48,6 +48,7 @@ class EngineStats:
     prompt_cache_misses: int = 0  # jobs that looked and found nothing better than the sequences
     prompt_cache_tokens_restored: int = 0
     prompt_cache_saves: int = 0
+    prompt_cache_evictions: int = 0  # saved prefixes dropped (least recently used) to stay in bounds
     prompt_cache_bytes: int = 0
     prompt_cache_entries: int = 0
     prompt_cache_save_seconds: float = 0.0

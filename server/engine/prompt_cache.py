@@ -53,6 +53,7 @@ class HostCache:
         self.limit = limit
         self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()
         self.bytes = 0
+        self.evictions = 0  # entries dropped to make room
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,6 +98,7 @@ class HostCache:
                 self._drop(key)
         while self._entries and self.bytes + len(entry.data) > self.limit:
             self._drop(next(iter(self._entries)))
+            self.evictions += 1
         self._entries[id(entry)] = entry
         self.bytes += len(entry.data)
         return True
@@ -215,3 +217,4 @@ class Placer:
         self.pending.clear()
         stats.prompt_cache_bytes = self.host.bytes
         stats.prompt_cache_entries = len(self.host)
+        stats.prompt_cache_evictions = self.host.evictions
