@@ -272,7 +272,7 @@ class StreamResult:
         )
 
 
-def _chat_body(
+def chat_body(
     messages: list[dict[str, str]], max_tokens: int, banned: Sequence[int], response_format: Any = None
 ) -> bytes:
     payload: dict[str, Any] = {
@@ -406,15 +406,24 @@ class Config:
     retries: int = 2
 
 
-def server_command(side: str, exe: pathlib.Path, model_path: pathlib.Path, cfg: Config, port: int) -> list[str]:
+def server_command(
+    side: str,
+    exe: pathlib.Path,
+    model_path: pathlib.Path,
+    cfg: Config,
+    port: int,
+    *,
+    parallel: int = PARALLEL,
+    ctx: int = CTX,
+) -> list[str]:
     if side == "llama-server":
         return [
             str(exe),
             "-m", str(model_path),
             "--host", "127.0.0.1",
             "--port", str(port),
-            "-np", str(PARALLEL),
-            "-c", str(CTX),  # all slots together, as ours
+            "-np", str(parallel),
+            "-c", str(ctx),  # all slots together, as ours
             "--no-kv-unified",  # one KV stream per slot, as ours
             "-t", str(cfg.threads),
             "-tb", str(cfg.threads),
@@ -428,8 +437,8 @@ def server_command(side: str, exe: pathlib.Path, model_path: pathlib.Path, cfg: 
         "--model", str(model_path),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--parallel", str(PARALLEL),
-        "--ctx-size", str(CTX),
+        "--parallel", str(parallel),
+        "--ctx-size", str(ctx),
         "--threads", str(cfg.threads),
         "--batch-size", str(BATCH),
     ]  # fmt: skip
@@ -483,7 +492,7 @@ class Session:
         ]
 
     async def chat(self, max_tokens: int, response_format: Any = None, **kw: Any) -> StreamResult:
-        body = _chat_body(self.messages(), max_tokens, self.banned, response_format)
+        body = chat_body(self.messages(), max_tokens, self.banned, response_format)
         return await stream_chat(self.port, body, **kw)
 
     def cpu_seconds(self) -> float:
@@ -561,10 +570,10 @@ async def measure_second_turn(session: Session, conversations: int) -> dict[str,
     for _ in range(conversations):
         messages = session.messages()
         messages[0]["content"] += " " + CHAT_INSTRUCTIONS
-        turn1 = await stream_chat(session.port, _chat_body(messages, TURN1_MAX_TOKENS, session.banned))
+        turn1 = await stream_chat(session.port, chat_body(messages, TURN1_MAX_TOKENS, session.banned))
         _check([turn1], TURN1_MAX_TOKENS, "turn 1")
         messages += [{"role": "assistant", "content": turn1.text}, {"role": "user", "content": FOLLOW_UP}]
-        turn2 = await stream_chat(session.port, _chat_body(messages, TURN2_MAX_TOKENS, session.banned))
+        turn2 = await stream_chat(session.port, chat_body(messages, TURN2_MAX_TOKENS, session.banned))
         _check([turn2], TURN2_MAX_TOKENS, "turn 2")
         usage = turn2.usage or {}
         out.append(

@@ -175,6 +175,12 @@ def test_saved_prefixes_stay_in_their_scope() -> None:
         restored = proc.metrics()["llama_trio_prompt_cache_tokens_restored_total"]
         assert cached(chat(proc.url, secret, "alice")) > MIN_SAVED_TOKENS
         assert proc.metrics()["llama_trio_prompt_cache_tokens_restored_total"] > restored
+        # A saved prefix serves any prompt that shares part of it: a new question on the same
+        # notes gets the notes restored, and only the question computed.
+        chat(proc.url, other, "alice")
+        question = [secret[0], {"role": "user", "content": "Which word is the fourth?"}]
+        answer = chat(proc.url, question, "alice")
+        assert len(secret[0]["content"]) // 8 < cached(answer) < answer["usage"]["prompt_tokens"]
         assert proc.stop() == 0
 
 
