@@ -29,6 +29,8 @@ $(VENV)/.model: requirements-model.txt | $(VENV)/.installed
 llama: | $(VENV)/.installed
 	PYTHON=$(PY) vendor/build.sh
 
+# The extension with llama.cpp's libraries beside it, in ffi/: the same build as a wheel's
+# (build_ffi.py; pip reaches it through setup.py).
 ffi: llama
 	$(PY) build_ffi.py
 
@@ -59,10 +61,10 @@ bench: setup $(VENV)/.bench
 	$(PY) -m bench.server $(BENCH_ARGS)
 
 lint: setup
-	$(PY) -m ruff check ffi server tests bench build_ffi.py
-	$(PY) -m ruff format --check ffi server tests bench build_ffi.py
+	$(PY) -m ruff check ffi server tests bench build_ffi.py setup.py
+	$(PY) -m ruff format --check ffi server tests bench build_ffi.py setup.py
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) build ffi/_llama*.so ffi/.build-stamp vendor/llama.cpp
+	rm -rf $(VENV) build *.egg-info ffi/_llama*.so ffi/lib*.so* ffi/.build-stamp vendor/llama.cpp

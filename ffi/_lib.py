@@ -13,8 +13,9 @@ try:
     from ffi._llama import ffi, lib
 except ImportError as exc:  # pragma: no cover - depends on the build state
     raise ImportError(
-        "the llama.cpp binding is not built (ffi/_llama*.so is missing); run `make setup` "
-        "or `python build_ffi.py` after `vendor/build.sh`"
+        "the llama.cpp binding is not built or not complete (ffi/_llama*.so and the libllama/libggml "
+        "libraries beside it); in a checkout run `make setup` (or `python build_ffi.py`), else "
+        f"reinstall llama-trio: {exc}"
     ) from exc
 
 __all__ = ["ffi", "lib", "ProgressReporter"]

@@ -1,4 +1,8 @@
-"""``llama-trio`` / ``python -m server``: parse settings, serve until SIGTERM or SIGINT."""
+"""``llama-trio`` / ``python -m server``: parse settings, serve until SIGTERM or SIGINT.
+
+The server's modules (and with them the llama.cpp binding) are imported after the command line
+is parsed, so ``--help`` and ``--version`` answer without loading them.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,19 @@ import signal
 import sys
 from collections.abc import Sequence
 
-import trio
-
-from server.model_files import DefaultModelMissing
-from server.net.lifecycle import Server
-from server.net.listener import ListenError
 from server.settings import parse_settings
-from server.state import TemplateFileError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_settings(argv)
+
+    import trio
+
+    from server.model_files import DefaultModelMissing
+    from server.net.lifecycle import Server
+    from server.net.listener import ListenError
+    from server.state import TemplateFileError
+
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(
         level=logging.DEBUG if settings.verbose else logging.INFO,

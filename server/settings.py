@@ -8,6 +8,7 @@ launch).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -116,12 +117,21 @@ def _kind(name: str) -> type:
     return type(value)
 
 
+def package_version() -> str:
+    """The installed distribution's version (editable installs have one too)."""
+    try:
+        return importlib.metadata.version("llama-trio")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llama-trio",
         description="OpenAI-compatible LLM server on llama.cpp. Every flag is also read from "
         f"{ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         kind = _kind(f.name)

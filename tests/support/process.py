@@ -26,8 +26,9 @@ NO_END_TOKENS = {"0": -100, "1": -100, "2": -100}
 class ServerProcess:
     """Starts ``python -m server ARGS --port 0`` (or a given port) and waits for it.
 
-    ``wait_ready`` waits for ``/health`` 200. ``log`` is everything the process wrote to
-    stderr so far. ``stop`` sends a signal and waits for the exit code.
+    ``argv`` replaces the whole command, ``cwd`` the directory it runs in (the checkout), ``env``
+    adds to the environment. ``wait_ready`` waits for ``/health`` 200. ``log`` is everything the
+    process wrote to stderr so far. ``stop`` sends a signal and waits for the exit code.
     """
 
     def __init__(
@@ -37,11 +38,12 @@ class ServerProcess:
         port: int = 0,
         env: dict[str, str] | None = None,
         argv: Sequence[str] | None = None,
+        cwd: pathlib.Path = ROOT,
     ) -> None:
         cmd = list(argv) if argv is not None else [sys.executable, "-m", "server", "--port", str(port), *args]
         self.proc = subprocess.Popen(
             cmd,
-            cwd=ROOT,
+            cwd=cwd,
             env={**os.environ, **(env or {})},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
