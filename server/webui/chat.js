@@ -231,6 +231,7 @@ async function answer() {
         follow();
       }
     }
+    if (mine !== epoch) return; // the chat was cleared as the answer ended
     turns.push({ role: 'assistant', content: text, element });
     show(finish === 'length' ? 'reached max tokens' : '');
   } catch (err) {
