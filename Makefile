@@ -12,7 +12,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup run test bench bench-binding bench-engine lint llama ffi clean
+.PHONY: setup run test browser bench bench-binding bench-engine lint llama ffi clean
 
 setup: ffi $(VENV)/.model
 
@@ -37,8 +37,16 @@ ffi: llama
 run: setup
 	$(PY) -m server --host $(HOST) --port $(PORT) $(ARGS)
 
-test: setup
+test: setup browser
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The chat page's tests (tests/test_webui.py) drive Debian's chromium through its
+# chromedriver: installed with apt when missing (as root, else through sudo).
+APT_BROWSER := $(if $(filter 0,$(shell id -u)),,sudo )DEBIAN_FRONTEND=noninteractive apt-get
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		$(APT_BROWSER) install -y --no-install-recommends chromium chromium-driver || \
+		{ $(APT_BROWSER) update && $(APT_BROWSER) install -y --no-install-recommends chromium chromium-driver; }; }
 
 # Our binding's plain generation loop vs llama.cpp's llama-batched-bench (built on first use);
 # BENCH_ARGS="--runs 3" etc. Writes bench/results/binding.json.

@@ -49,6 +49,7 @@ class Settings:
     max_connections: int = 512
     cors_origin: tuple[str, ...] = ()
     reuse_port: bool = False
+    no_webui: bool = False
     verbose: bool = False
 
     def api_keys(self) -> frozenset[str]:
@@ -92,6 +93,7 @@ _HELP = {
     "max_connections": "open connections at once; past it a new client replaces the longest-idle one, or waits",
     "cors_origin": "allowed CORS origin (repeatable; * for any)",
     "reuse_port": "also set SO_REUSEPORT (lets other processes share the port)",
+    "no_webui": "do not serve the chat page at / (the API is unchanged)",
     "verbose": "debug logging, including llama.cpp's own log",
 }
 

@@ -7,5 +7,6 @@
 - ``prepare``: request body to ``Job``; ``prompt``: prompt text to tokens (control tokens only
   from the template);
 - ``schema``: the wire schema (pydantic); ``sse``: pure SSE framing; ``errors``: ``ApiError``;
-- ``trace``: one request's timing and access-log line; ``metrics``: the Prometheus registry.
+- ``trace``: one request's timing and access-log line; ``metrics``: the Prometheus registry;
+- ``webui``: the chat page at ``/`` (its files live in ``server/webui/``).
 """

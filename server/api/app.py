@@ -1,5 +1,6 @@
 """``create_app``: the OpenAI-compatible HTTP API as a Quart-Trio app: its routes, its
-middleware (header limit, API keys, CORS, request metrics) and its error handlers. No globals.
+middleware (header limit, API keys, CORS, request metrics) and its error handlers, and the
+chat page (``webui``) unless ``--no-webui``. No globals.
 
 The completion routes go to ``completions.complete``: ``prepare`` validates the body and makes
 a ``Job``; the answer holds its sequence inside ``async with engine.submit(job)``, and
@@ -24,6 +25,7 @@ from server.api.completions import complete, json_response
 from server.api.embeddings import embed
 from server.api.errors import ApiError
 from server.api.metrics import CONTENT_TYPE
+from server.api.webui import add_webui
 from server.settings import Settings, settings_from_env
 from server.state import ServerState
 
@@ -54,6 +56,7 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
     app.extensions["llama_trio"] = state
     api_keys = settings.api_keys()
     cors = set(settings.cors_origin)
+    public = frozenset(["/health"]) | (frozenset() if settings.no_webui else add_webui(app))
 
     if owns_engine:
 
@@ -95,7 +98,7 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
 
     @app.before_request
     async def authenticate() -> Response | None:
-        if not api_keys or request.path == "/health" or request.method == "OPTIONS":
+        if not api_keys or request.path in public or request.method == "OPTIONS":
             return None
         header = request.headers.get("Authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
