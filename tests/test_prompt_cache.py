@@ -162,19 +162,20 @@ def test_saved_prefixes_stay_in_their_scope() -> None:
     args = ["--parallel", "1", "--ctx-size", "1024", "--threads", "1", "--api-key", "alice", "--api-key", "bob"]
     secret = [{"role": "system", "content": f"Alice's notes: {document(7)}"}, {"role": "user", "content": "Hi"}]
     other = [{"role": "system", "content": f"Other notes: {document(8)}"}, {"role": "user", "content": "Hi"}]
+    alice = {"Authorization": "Bearer alice"}
     with ServerProcess(args) as proc:
         proc.wait_ready()
         chat(proc.url, secret, "alice")
         chat(proc.url, other, "alice")  # the only sequence moves on: alice's notes go to RAM
-        assert proc.metrics()["llama_trio_prompt_cache_entries"] == 1
+        assert proc.metrics(alice)["llama_trio_prompt_cache_entries"] == 1
         # Bob sends alice's exact prompt: nothing of hers is restored for him.
         assert cached(chat(proc.url, secret, "bob")) == 0
         assert cached(chat(proc.url, secret, "alice", cache_salt="s")) == 0  # a salt is its own scope
         # Control: alice herself gets her notes back from RAM.
         chat(proc.url, other, "alice")
-        restored = proc.metrics()["llama_trio_prompt_cache_tokens_restored_total"]
+        restored = proc.metrics(alice)["llama_trio_prompt_cache_tokens_restored_total"]
         assert cached(chat(proc.url, secret, "alice")) > MIN_SAVED_TOKENS
-        assert proc.metrics()["llama_trio_prompt_cache_tokens_restored_total"] > restored
+        assert proc.metrics(alice)["llama_trio_prompt_cache_tokens_restored_total"] > restored
         # A saved prefix serves any prompt that shares part of it: a new question on the same
         # notes gets the notes restored, and only the question computed.
         chat(proc.url, other, "alice")
