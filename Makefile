@@ -11,6 +11,7 @@ PORT ?= 8080
 ARGS ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+CHATS_ARGS ?=
 
 .PHONY: setup run test browser bench bench-binding bench-engine lint llama ffi clean
 
@@ -63,10 +64,12 @@ $(VENV)/.bench: pyproject.toml | $(VENV)/.installed
 	touch $@
 
 # Our server vs llama-server side by side over HTTP (llama-server is built on first use; a
-# no-op when it is there). Writes bench/results/server.{md,png,json}.
+# no-op when it is there). Writes bench/results/server.{md,png,json}, then the many-chats
+# scenario (prompt cache beyond the sequences; CHATS_ARGS="--runs 3") to bench/results/chats.*.
 bench: setup $(VENV)/.bench
 	PYTHON=$(PY) vendor/build.sh llama-server
 	$(PY) -m bench.server $(BENCH_ARGS)
+	$(PY) -m bench.chats $(CHATS_ARGS)
 
 lint: setup
 	$(PY) -m ruff check ffi server tests bench build_ffi.py setup.py
