@@ -416,6 +416,35 @@ def test_keep_alive_connection_at_drain_start_is_closed_cleanly_or_told_draining
         assert proc.wait(GUARD) == 0, proc.log
 
 
+def test_a_connection_accepted_just_before_sigterm_is_answered_not_reset() -> None:
+    """A client that has connected but not yet sent its request when the drain starts gets a
+    moment (1 s) to send it, and an answer (503 draining) rather than a closed connection."""
+    with server("--parallel", "1", "--ctx-size", "512") as proc:
+        proc.wait_ready()
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=GUARD) as conn:
+            client_port = conn.getsockname()[1]
+            wait_for(lambda: accepted(proc.proc.pid, client_port), "the server to accept", GUARD)
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: connection_refused(proc.port), "the listener to close", timeout=5)
+            assert http_get(conn, "/health") == (503, b'{"status": "draining"}')
+        assert proc.wait(GUARD) == 0, proc.log
+
+
+def accepted(pid: int, client_port: int) -> bool:
+    """Whether process ``pid`` has accepted the connection from local port ``client_port``: the
+    server's end of it (remote port ``client_port``) is one of its descriptors. Until it is
+    accepted, that socket has no file (inode 0 in /proc/net/tcp)."""
+    inodes = set()
+    with open("/proc/net/tcp") as lines:
+        next(lines)
+        for line in lines:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == client_port and fields[9] != "0":
+                inodes.add(f"socket:[{fields[9]}]")
+    fd_dir = f"/proc/{pid}/fd"
+    return any(_readlink(f"{fd_dir}/{fd}") in inodes for fd in os.listdir(fd_dir))
+
+
 # -- 9. TIME_WAIT after exit --------------------------------------------------------------------
 
 

@@ -60,7 +60,7 @@ from hypercorn.trio.tcp_server import TCPServer
 
 logger = logging.getLogger(__name__)
 
-# At a drain, how long a connection that may have a request on its way (none answered on it yet,
+# At a drain, how long a connection that may have a request on its way (no request on it yet,
 # part of a head received, or bytes not yet read) has for its request head before it is closed
 # as idle: a client that has just connected sends its request within moments, and it is better
 # answered (served in a hot restart's hand-over, 503 in a shutdown) than reset.
@@ -152,17 +152,23 @@ class Connection(TCPServer):
     def drain(self, arrival_grace: float = 0.0) -> None:
         """Close now if idle; otherwise close when the request in progress is answered.
 
-        With ``arrival_grace``, an idle connection that may have a request on its way (none
-        answered on it yet, part of a head received, or bytes not yet read) is given that long
-        for its head first.
+        With ``arrival_grace``, an idle connection that may have a request on its way (no request
+        on it yet, part of a head received, or bytes not yet read) is given that long for its
+        head first.
         """
         self._draining = True
-        if arrival_grace > 0 and self._idle_since is not None and self._request_may_be_coming():
+        if arrival_grace > 0 and self._request_may_be_coming():
             self._grace_until = trio.current_time() + arrival_grace
         self._wake.set()
 
     def _request_may_be_coming(self) -> bool:
-        if not self._had_request or self._head_started:
+        """Whether a request may be on its way on a connection not busy with one (a connection
+        not yet served counts as one that has had no request)."""
+        if not self._had_request:
+            return True
+        if self._idle_since is None:
+            return False  # busy: closed when its answer is done
+        if self._head_started:
             return True
         fd = self._socket.fileno() if self._socket is not None else -1
         if fd < 0:

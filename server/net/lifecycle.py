@@ -233,7 +233,7 @@ class Server:
         self._connections.add(connection)
         try:
             if self._stop.is_set():
-                connection.drain()
+                connection.drain(ARRIVAL_GRACE)  # accepted as the drain began
             await connection.serve()
         finally:
             self._connections.discard(connection)
@@ -317,7 +317,8 @@ class Server:
             logger.info("hot restart abandoned: process %d is stopping", me)
             return
         logger.info("hot restart: process %d is ready; process %d hands over and drains", successor.pid, me)
-        # Two datagrams: the reload ends first (systemd 252 takes no MAINPID= while reloading).
+        # Two datagrams, the reload's end first: MAINPID= then comes while the unit is running,
+        # the state in which every systemd version takes it.
         sdnotify.notify("READY=1", f"STATUS=serving on {self.address} (process {successor.pid})")
         sdnotify.notify(f"MAINPID={successor.pid}")
         self._successor = successor  # never waited for: it outlives us

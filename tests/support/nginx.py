@@ -65,7 +65,8 @@ class Nginx:
         (directory / "nginx.conf").write_text(
             f"{user}worker_processes 1;\npid {directory / 'nginx.pid'};\nerror_log {self.error_log} notice;\n"
             f"events {{\n    worker_connections 512;\n}}\n"
-            f"http {{\n    access_log {directory / 'access.log'};\n{temp}\n"
+            f"http {{\n    log_format upstreams '$status $request_time $upstream_addr $upstream_status';\n"
+            f"    access_log {directory / 'access.log'} upstreams;\n{temp}\n"
             f"    include {directory / 'llama-trio.conf'};\n}}\n"
         )
         self.proc: subprocess.Popen[bytes] | None = None
