@@ -5,8 +5,9 @@ On the first SIGTERM or SIGINT:
 
 1. the accept loop stops and the listener is closed at once (new connections are refused);
    ``/health`` answers 503 ``draining``; idle keep-alive connections close;
-2. queued jobs end at once with ``server_shutting_down`` (503, or an error event + ``[DONE]``);
-3. in-flight requests run on until they finish or ``drain_timeout`` passes;
+2. queued jobs end at once with ``server_shutting_down`` (a 503), except streams, whose answer
+   has begun (its head and first chunk are out): they wait for a sequence as before;
+3. in-flight requests, and those streams, run on until they finish or ``drain_timeout`` passes;
 4. at the deadline, or on a second signal, every remaining job ends with the shutting-down
    error event and ``[DONE]`` (a 503 when not streamed); connections get a moment to write it;
 5. the engine stops, context and model are freed, and ``serve`` returns.
@@ -187,10 +188,12 @@ class Server:
         logger.info("stopped")
 
     def _refuse_queued(self) -> None:
+        """No new jobs; queued ones end now with a 503 that a proxy may retry elsewhere, except
+        streams, whose answer has begun: they keep their place and run within the drain."""
         engine = self.state.engine
         if engine is not None:
             engine.stop_admitting()
-            engine.fail_queued(ShuttingDown("server is shutting down"))
+            engine.fail_queued(ShuttingDown("server is shutting down"), keep_streamed=True)
 
     async def _accept(
         self, listener: trio.SocketListener, handler: _Handler, connections: trio.Nursery, limit: trio.Semaphore
