@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 CHATS_ARGS ?=
 
-.PHONY: setup run test browser bench bench-binding bench-engine lint llama ffi clean
+.PHONY: setup run test browser nginx bench bench-binding bench-engine lint llama ffi clean
 
 setup: ffi $(VENV)/.model
 
@@ -38,16 +38,24 @@ ffi: llama
 run: setup
 	$(PY) -m server --host $(HOST) --port $(PORT) $(ARGS)
 
-test: setup browser
+test: setup browser nginx
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The chat page's tests (tests/test_webui.py) drive Debian's chromium through its
-# chromedriver: installed with apt when missing (as root, else through sudo).
-APT_BROWSER := $(if $(filter 0,$(shell id -u)),,sudo )DEBIAN_FRONTEND=noninteractive apt-get
+# Debian packages the tests drive, installed with apt when missing (as root, else through sudo).
+APT := $(if $(filter 0,$(shell id -u)),,sudo )DEBIAN_FRONTEND=noninteractive apt-get
+
+# The chat page's tests (tests/test_webui.py) drive Debian's chromium through its chromedriver.
 browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
-		$(APT_BROWSER) install -y --no-install-recommends chromium chromium-driver || \
-		{ $(APT_BROWSER) update && $(APT_BROWSER) install -y --no-install-recommends chromium chromium-driver; }; }
+		$(APT) install -y --no-install-recommends chromium chromium-driver || \
+		{ $(APT) update && $(APT) install -y --no-install-recommends chromium chromium-driver; }; }
+
+# tests/test_nginx.py runs Debian's nginx in front of replicas it restarts (/usr/sbin may not be
+# on a user's PATH).
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
+		$(APT) install -y --no-install-recommends nginx || \
+		{ $(APT) update && $(APT) install -y --no-install-recommends nginx; }; }
 
 # Our binding's plain generation loop vs llama.cpp's llama-batched-bench (built on first use);
 # BENCH_ARGS="--runs 3" etc. Writes bench/results/binding.json.

@@ -1,4 +1,5 @@
-"""``llama-trio`` / ``python -m server``: parse settings, serve until SIGTERM or SIGINT.
+"""``llama-trio`` / ``python -m server``: parse settings, serve until SIGTERM or SIGINT (SIGHUP:
+hot restart).
 
 The server's modules (and with them the llama.cpp binding) are imported after the command line
 is parsed, so ``--help`` and ``--version`` answer without loading them.
@@ -7,7 +8,9 @@ is parsed, so ``--help`` and ``--version`` answer without loading them.
 from __future__ import annotations
 
 import faulthandler
+import ipaddress
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -22,25 +25,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from server.model_files import DefaultModelMissing
     from server.net.lifecycle import Server
-    from server.net.listener import ListenError
+    from server.net.listener import ListenError, inherited_socket
+    from server.net.restart import take_ready_fd
     from server.state import TemplateFileError
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(
         level=logging.DEBUG if settings.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s",
     )
     if not settings.verbose:
         logging.getLogger("llama_cpp").setLevel(logging.WARNING)
-    if settings.host not in {"127.0.0.1", "localhost", "::1"} and not settings.api_keys():
-        logging.getLogger("server").warning(
-            "listening on %s without an API key: anyone who can reach it may use it", settings.host
-        )
+    ready_fd = take_ready_fd(os.environ)  # set when we are a hot restart's new process
     try:
-        server = Server(settings)
+        sock = inherited_socket(settings.fd, os.environ)
+        server = Server(settings, sock, inherited=sock is not None, ready_fd=ready_fd)
     except (ListenError, DefaultModelMissing, TemplateFileError) as exc:
         print(f"llama-trio: {exc}", file=sys.stderr)
         return 2
+    host = server.sock.getsockname()[0]
+    if not ipaddress.ip_address(host).is_loopback and not settings.api_keys():
+        logging.getLogger("server").warning(
+            "listening on %s without an API key: anyone who can reach it may use it", host
+        )
     trio.run(server.serve)
     if server.state.load_failed is not None:
         return 1

@@ -50,6 +50,8 @@ class Settings:
     cors_origin: tuple[str, ...] = ()
     reuse_port: bool = False
     no_webui: bool = False
+    fd: int | None = None  # None: open our own listener (or take systemd's)
+    restart_timeout: float = 120.0
     verbose: bool = False
 
     def api_keys(self) -> frozenset[str]:
@@ -94,6 +96,11 @@ _HELP = {
     "cors_origin": "allowed CORS origin (repeatable; * for any)",
     "reuse_port": "also set SO_REUSEPORT (lets other processes share the port)",
     "no_webui": "do not serve the chat page at / (the API is unchanged)",
+    "fd": (
+        "serve the listening TCP socket at this inherited descriptor instead of opening one "
+        "(--host and --port are then unused; systemd socket activation needs no flag)"
+    ),
+    "restart_timeout": "seconds a hot restart (SIGHUP) waits for the new process to be ready before giving up on it",
     "verbose": "debug logging, including llama.cpp's own log",
 }
 
@@ -114,7 +121,7 @@ def _kind(name: str) -> type:
     value = getattr(defaults, name)
     if name in {"model", "alias", "api_key_file", "chat_template_file", "pooling"}:
         return str
-    if name == "max_tokens":
+    if name in {"max_tokens", "fd"}:
         return int
     return type(value)
 

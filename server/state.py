@@ -51,6 +51,7 @@ class ServerState:
         self.engine: Engine | None = None
         self.template: ffi.ChatTemplate | None = None
         self.fingerprint = ""
+        self.model_name: str | None = None  # the GGUF's general.name, once loaded
         self.embedder: Embedder | None = None
         self._template_source = _read_template(settings.chat_template_file)
         self.draining = False
@@ -107,6 +108,7 @@ class ServerState:
         try:
             # Changes when the model or the llama.cpp build does (OpenAI's system_fingerprint).
             self.fingerprint = f"fp_{model.fingerprint()}"
+            self.model_name = model.name
             self.template = ffi.ChatTemplate(
                 self._template_source or model.chat_template,
                 bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else "",

@@ -327,12 +327,15 @@ def test_second_sigint_ends_the_drain_at_once() -> None:
 # -- 6. queued requests end at once -------------------------------------------------------------
 
 
-def test_queued_requests_end_at_sigterm_without_decoding() -> None:
-    with server("--parallel", "1", "--ctx-size", "2304", "--drain-timeout", "2") as proc:
+def test_at_sigterm_queued_requests_get_503_and_queued_streams_wait_for_a_sequence() -> None:
+    """A queued non-streamed request ends at once with 503 (nothing was sent: a proxy may retry
+    it elsewhere). A queued stream has sent its head and first chunk, which no proxy can take
+    back, so it keeps its place and is answered once the running stream is done, in the drain."""
+    with server("--parallel", "1", "--ctx-size", "2304", "--drain-timeout", "30") as proc:
         proc.wait_ready()
-        with curl_streams(proc.url, chat_body(2000), 1) as (running,):
+        with curl_streams(proc.url, chat_body(200), 1) as (running,):
             assert running.first_text.wait(GUARD)
-            queued_stream = CurlStream(proc.url, chat_body(50))
+            queued_stream = CurlStream(proc.url, chat_body(20))
             plain: dict[str, Any] = {}
 
             def non_streamed() -> None:
@@ -347,22 +350,18 @@ def test_queued_requests_end_at_sigterm_without_decoding() -> None:
                 signalled = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
 
-                assert queued_stream.finish() == 0
-                payloads = queued_stream.payloads()
-                assert [json.loads(p)["choices"][0]["delta"] for p in payloads[:-2]] == [
-                    {"role": "assistant", "content": ""}
-                ], "a queued stream decoded"
-                assert json.loads(payloads[-2]) == {"error": SHUTTING_DOWN}
-                assert payloads[-1] == "[DONE]"
-                assert queued_stream.ended_at is not None and queued_stream.ended_at - signalled < 0.75
-
                 waiter.join(GUARD)
                 assert plain["status"] == 503
                 assert plain["body"] == {"error": SHUTTING_DOWN}
                 assert plain["at"] - signalled < 0.75
 
-                assert running.ended_at is None, "the running stream should still be draining"
-                assert_ended_by_shutdown(running)
+                assert queued_stream.finish() == 0
+                payloads = queued_stream.payloads()
+                assert payloads[-1] == "[DONE]" and sse.finish_reason(payloads[-2]) == "length", payloads[-3:]
+                assert not any("error" in json.loads(p) for p in payloads[:-1])
+                assert queued_stream.texts_after(signalled) > 0, "the queued stream was not decoded in the drain"
+                assert running.finish() == 0
+                assert sse.finish_reason(running.payloads()[-2]) == "length"
             finally:
                 queued_stream.kill()
         assert proc.wait(GUARD) == 0, proc.log
@@ -414,6 +413,35 @@ def test_keep_alive_connection_at_drain_start_is_closed_cleanly_or_told_draining
                 assert http_get(conn, "/health") == (503, b'{"status": "draining"}')
             assert_ended_by_shutdown(running)
         assert proc.wait(GUARD) == 0, proc.log
+
+
+def test_a_connection_accepted_just_before_sigterm_is_answered_not_reset() -> None:
+    """A client that has connected but not yet sent its request when the drain starts gets a
+    moment (1 s) to send it, and an answer (503 draining) rather than a closed connection."""
+    with server("--parallel", "1", "--ctx-size", "512") as proc:
+        proc.wait_ready()
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=GUARD) as conn:
+            client_port = conn.getsockname()[1]
+            wait_for(lambda: accepted(proc.proc.pid, client_port), "the server to accept", GUARD)
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: connection_refused(proc.port), "the listener to close", timeout=5)
+            assert http_get(conn, "/health") == (503, b'{"status": "draining"}')
+        assert proc.wait(GUARD) == 0, proc.log
+
+
+def accepted(pid: int, client_port: int) -> bool:
+    """Whether process ``pid`` has accepted the connection from local port ``client_port``: the
+    server's end of it (remote port ``client_port``) is one of its descriptors. Until it is
+    accepted, that socket has no file (inode 0 in /proc/net/tcp)."""
+    inodes = set()
+    with open("/proc/net/tcp") as lines:
+        next(lines)
+        for line in lines:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == client_port and fields[9] != "0":
+                inodes.add(f"socket:[{fields[9]}]")
+    fd_dir = f"/proc/{pid}/fd"
+    return any(_readlink(f"{fd_dir}/{fd}") in inodes for fd in os.listdir(fd_dir))
 
 
 # -- 9. TIME_WAIT after exit --------------------------------------------------------------------

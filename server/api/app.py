@@ -184,8 +184,9 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
     @app.get("/v1/models")
     @app.get("/models")
     async def models() -> Response:
-        card = schema.ModelCard(id=state.model_id, created=state.created)
-        return json_response(schema.ModelList(data=[card]).model_dump())
+        meta = schema.ModelMeta(name=state.model_name) if state.model_name is not None else None
+        card = schema.ModelCard(id=state.model_id, created=state.created, meta=meta)
+        return json_response(schema.ModelList(data=[card]).model_dump(exclude_none=True))
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")

@@ -193,6 +193,7 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
         grammar=await output_grammar(state, req, use),
         logprobs=logprobs,
         n=n,
+        streamed=req.stream,
     )
     error = engine.admission_error(job)
     if error is not None:

@@ -342,11 +342,18 @@ class Completion(BaseModel):
     usage: UsageInfo
 
 
+class ModelMeta(BaseModel):
+    """Ours, beside OpenAI's fields: what the loaded file says of itself."""
+
+    name: str  # general.name (the file's name without .gguf when it has none)
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int
+    created: int  # when this server process started (a hot restart's new process: later)
     owned_by: str = "llama-trio"
+    meta: ModelMeta | None = None  # once the model is loaded
 
 
 class ModelList(BaseModel):

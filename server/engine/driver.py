@@ -148,12 +148,15 @@ class Engine:
         """New ``submit`` calls raise ``ShuttingDown``; queued and running jobs continue."""
         self._accepting = False
 
-    def fail_queued(self, error: EngineError) -> None:
-        """End every queued job with ``error`` now (they never decode)."""
-        while self._queue:
-            request = self._queue.popleft()
-            request.end_with(error)
-        self.stats.queued = 0
+    def fail_queued(self, error: EngineError, *, keep_streamed: bool = False) -> None:
+        """End queued jobs with ``error`` now (they never decode); ``keep_streamed`` keeps streamed ones queued."""
+        queued, self._queue = self._queue, collections.deque()
+        for request in queued:
+            if keep_streamed and request.job.streamed:
+                self._queue.append(request)
+            else:
+                request.end_with(error)
+        self.stats.queued = len(self._queue)
 
     def abort_all(self, error: EngineError) -> None:
         """End every queued and running job with ``error``; running jobs' cells are freed at

@@ -40,6 +40,10 @@ class Job:
     # More prompts answered in the same job (a batch of completions), n choices each: choice
     # index = prompt's place * n + its number.
     more_prompts: tuple[Sequence[int], ...] = ()
+    # The caller hands pieces on as they come, and its answer began before the job was queued
+    # (an SSE stream's head and first chunk): ending it unstarted is an error its client sees,
+    # which no proxy can retry, so a drain leaves it queued (``Engine.fail_queued``).
+    streamed: bool = False
 
     @property
     def prompts(self) -> tuple[Sequence[int], ...]:

@@ -7,7 +7,7 @@ forever (and a drain would wait on them). Here the timer is a task of the connec
 
 A connection without a complete request head in progress (between requests, or a client that
 sends its headers slowly) is closed after ``keep_alive_timeout``, and at once when ``drain()``
-is called.
+is called, unless a request may be on its way (see ``drain``).
 
 Writes are shielded (a half-written response would corrupt the connection) but bounded: a
 client that stops reading is cut after ``write_timeout``, or at the deadline given to ``cut``.
@@ -45,6 +45,7 @@ import contextvars
 import logging
 import math
 import os
+import select
 import socket
 from collections.abc import Callable
 
@@ -59,6 +60,11 @@ from hypercorn.trio.tcp_server import TCPServer
 
 logger = logging.getLogger(__name__)
 
+# At a drain, how long a connection that may have a request on its way (no request on it yet,
+# part of a head received, or bytes not yet read) has for its request head before it is closed
+# as idle: a client that has just connected sends its request within moments, and it is better
+# answered (served in a hot restart's hand-over, 503 in a shutdown) than reset.
+ARRIVAL_GRACE = 1.0
 # While draining, how long a connection that is done waits for its client to close first.
 CLOSE_LINGER = 0.5
 # Lingering close (as nginx's): after an answer on a connection we then close (413, 408, 431,
@@ -110,6 +116,9 @@ class Connection(TCPServer):
         self.write_timeout = write_timeout
         self._idle_since: float | None = None
         self._draining = False
+        self._grace_until = -math.inf  # while draining: when an idle connection is closed
+        self._had_request = False  # a request head was complete on it
+        self._head_started = False  # bytes of a request head arrived since it was last idle
         self._wake = trio.Event()
         self._hard_deadline = math.inf
         self._write_scope: trio.CancelScope | None = None
@@ -140,10 +149,33 @@ class Connection(TCPServer):
         """When the connection last became idle (no request head complete), or None if busy."""
         return None if self._draining else self._idle_since
 
-    def drain(self) -> None:
-        """Close now if idle; otherwise close when the request in progress is answered."""
+    def drain(self, arrival_grace: float = 0.0) -> None:
+        """Close now if idle; otherwise close when the request in progress is answered.
+
+        With ``arrival_grace``, an idle connection that may have a request on its way (no request
+        on it yet, part of a head received, or bytes not yet read) is given that long for its
+        head first.
+        """
         self._draining = True
+        if arrival_grace > 0 and self._request_may_be_coming():
+            self._grace_until = trio.current_time() + arrival_grace
         self._wake.set()
+
+    def _request_may_be_coming(self) -> bool:
+        """Whether a request may be on its way on a connection not busy with one (a connection
+        not yet served counts as one that has had no request)."""
+        if not self._had_request:
+            return True
+        if self._idle_since is None:
+            return False  # busy: closed when its answer is done
+        if self._head_started:
+            return True
+        fd = self._socket.fileno() if self._socket is not None else -1
+        if fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def cut(self, deadline: float) -> None:
         """Give up on any write still blocked at ``deadline`` (the end of a drain)."""
@@ -161,6 +193,9 @@ class Connection(TCPServer):
             self._idle_since = trio.current_time() if event.idle else None
             if event.idle:
                 self._wrote_since_idle = False
+                self._head_started = False
+            else:
+                self._had_request = True
             self._wake.set()
             # Hypercorn's own timer guards only the first request head (started in run()).
             await self.idle_task.stop()
@@ -241,6 +276,8 @@ class Connection(TCPServer):
                     break
                 if self._closing:
                     break
+                if data and self._idle_since is not None:
+                    self._head_started = True
                 await self.protocol.handle(RawData(data))
                 if not data:
                     self._peer_closed = True
@@ -280,7 +317,7 @@ class Connection(TCPServer):
             if self._idle_since is None:
                 await wake.wait()
             else:
-                deadline = -math.inf if self._draining else self._idle_since + self.config.keep_alive_timeout
+                deadline = self._grace_until if self._draining else self._idle_since + self.config.keep_alive_timeout
                 with trio.move_on_at(deadline):
                     await wake.wait()
                 if not wake.is_set():  # idle past the deadline
@@ -291,6 +328,10 @@ class Connection(TCPServer):
                         await self._initiate_server_close()
                     return
             self._wake = trio.Event()
+
+    async def _idle_timeout(self) -> None:
+        """Hypercorn's timer for the first request head, which would also close the connection
+        the moment a drain starts; ``_watch_idle`` keeps that time here, so this does nothing."""
 
     def on_peer_closed(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` (synchronously, once) when the client ends its input, or now if it

@@ -5,11 +5,20 @@ On the first SIGTERM or SIGINT:
 
 1. the accept loop stops and the listener is closed at once (new connections are refused);
    ``/health`` answers 503 ``draining``; idle keep-alive connections close;
-2. queued jobs end at once with ``server_shutting_down`` (503, or an error event + ``[DONE]``);
-3. in-flight requests run on until they finish or ``drain_timeout`` passes;
+2. queued jobs end at once with ``server_shutting_down`` (a 503), except streams, whose answer
+   has begun (its head and first chunk are out): they wait for a sequence as before;
+3. in-flight requests, and those streams, run on until they finish or ``drain_timeout`` passes;
 4. at the deadline, or on a second signal, every remaining job ends with the shutting-down
    error event and ``[DONE]`` (a 503 when not streamed); connections get a moment to write it;
 5. the engine stops, context and model are freed, and ``serve`` returns.
+
+On SIGHUP, a hot restart (``server/net/restart.py``): a new copy of the process starts on the
+same listening socket; once it reports ready, this one hands over: it stops accepting and
+drains as above, except that it refuses nothing it has accepted (its successor serves, so
+queued requests wait for a sequence and a request on a connection already open is answered).
+A listener handed to us (``inherited``: ``--fd``, socket activation, a hot restart) is accepted
+on only once the model is loaded; closing it stops only our accepting, and connections that
+arrive later wait in its backlog for the next process.
 
 Hypercorn's own ``serve`` keeps the listening socket open during its graceful window and cuts
 streams without a final event when it ends; we use its per-connection ``TCPServer`` and
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable
@@ -33,8 +43,9 @@ from hypercorn.utils import wrap_app
 
 from server.api.app import create_app
 from server.engine import ShuttingDown
-from server.net.connection import Connection
-from server.net.listener import bound_port, open_listener
+from server.net import restart, sdnotify
+from server.net.connection import ARRIVAL_GRACE, Connection
+from server.net.listener import bound_address, bound_port, open_listener
 from server.settings import Settings
 from server.state import ServerState
 
@@ -63,30 +74,65 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
 
 
 class Server:
-    """One serving process: ``await Server(settings).serve()``."""
+    """One serving process: ``await Server(settings).serve()``.
 
-    def __init__(self, settings: Settings, sock: socket.socket | None = None) -> None:
+    ``sock``: a listening socket to serve instead of opening one; ``inherited`` when it was
+    handed to this process (see the module's docstring). ``ready_fd``: the pipe on which a hot
+    restart's old process waits for this one (``restart.report_ready``).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        sock: socket.socket | None = None,
+        *,
+        inherited: bool = False,
+        ready_fd: int | None = None,
+    ) -> None:
         self.settings = settings
         # The listener first: a busy port fails before anything expensive happens.
         self.sock = sock or open_listener(settings.host, settings.port, reuse_port=settings.reuse_port)
         try:
             self.port = bound_port(self.sock)
+            self.address = bound_address(self.sock)
             self.state = ServerState(settings)
             self.app = create_app(state=self.state)
         except BaseException:
             self.sock.close()
             raise
+        self.inherited = inherited
+        self.ready_fd = ready_fd
         self.config = hypercorn_config(settings)
         self._stop = trio.Event()
         self._force = trio.Event()
+        self._handover = False  # the stop is a hot restart's hand-over
+        self._restart: trio.CancelScope | None = None  # a hot restart in progress
+        self._successor: trio.Process | None = None
         self._connections: set[Connection] = set()
 
-    def request_stop(self) -> None:
-        """Start the drain (as a first signal does); calling it again ends the drain now."""
-        if self._stop.is_set():
+    def request_stop(self, *, handover: bool = False) -> None:
+        """Start the drain (as a first signal does); calling it again ends the drain now.
+
+        ``handover``: a hot restart's new process serves now, so the drain refuses nothing
+        accepted; a plain ``request_stop`` during it turns it into the plain drain.
+        """
+        if not self._stop.is_set():
+            self._stop.set()
+            self._handover = handover
+            if self._restart is not None:
+                self._restart.cancel()
+            if not handover:
+                self.state.draining = True
+                if self.ready_fd is None:  # a hot restart's new process is not the main one before it is ready
+                    sdnotify.notify("STOPPING=1", "STATUS=draining")
+        elif handover:
+            return
+        elif self._handover:
+            self._handover = False
+            self.state.draining = True
+            self._refuse_queued()
+        else:
             self._force.set()
-        self._stop.set()
-        self.state.draining = True
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until a signal (or ``request_stop``) and the drain are done; then return.
@@ -105,7 +151,11 @@ class Server:
                 await lifespan.wait_for_startup()
                 await root.start(self.state.run_engine)
                 root.start_soon(self._stop_if_load_fails)
-                logger.info("listening on http://%s", _address(self.settings.host, self.port))
+                logger.info(
+                    "listening on http://%s%s",
+                    self.address,
+                    " (a socket handed to us: accepting once the model is loaded)" if self.inherited else "",
+                )
                 async with trio.open_nursery() as connections:
                     limit = trio.Semaphore(self.settings.max_connections)
                     handler = partial(
@@ -113,20 +163,21 @@ class Server:
                     )
                     async with trio.open_nursery() as accepting:
                         accepting.start_soon(self._accept, listener, handler, connections, limit)
+                        accepting.start_soon(self._announce_ready)
                         task_status.started(self.port)
                         await self._stop.wait()
                         accepting.cancel_scope.cancel()
                     await listener.aclose()
                     logger.info(
-                        "shutting down: listener closed, draining for up to %.0f s", self.settings.drain_timeout
+                        "%s: listener closed, draining for up to %.0f s",
+                        "handing over" if self._handover else "shutting down",
+                        self.settings.drain_timeout,
                     )
                     await context.terminated.set()  # no keep-alive after the current response
                     for connection in list(self._connections):
-                        connection.drain()  # idle ones close now
-                    engine = self.state.engine
-                    if engine is not None:
-                        engine.stop_admitting()
-                        engine.fail_queued(ShuttingDown("server is shutting down"))
+                        connection.drain(ARRIVAL_GRACE)  # idle ones close now
+                    if not self._handover:
+                        self._refuse_queued()
                     root.start_soon(self._drain_deadline, connections.cancel_scope)
                 root.cancel_scope.cancel()  # the deadline watcher and the signal watcher
                 self.state.stop_engine()
@@ -136,9 +187,23 @@ class Server:
             self.state.stop_engine()
         logger.info("stopped")
 
+    def _refuse_queued(self) -> None:
+        """No new jobs; queued ones end now with a 503 that a proxy may retry elsewhere, except
+        streams, whose answer has begun: they keep their place and run within the drain."""
+        engine = self.state.engine
+        if engine is not None:
+            engine.stop_admitting()
+            engine.fail_queued(ShuttingDown("server is shutting down"), keep_streamed=True)
+
     async def _accept(
         self, listener: trio.SocketListener, handler: _Handler, connections: trio.Nursery, limit: trio.Semaphore
     ) -> None:
+        if self.inherited:
+            # Until the model is loaded, connections wait in the backlog (or go to our
+            # predecessor, which still accepts on the same socket).
+            await self.state.ready.wait()
+            if self.state.load_failed is not None:
+                return
         while True:
             if limit.value == 0:
                 await trio.lowlevel.wait_readable(listener.socket)  # a client is waiting
@@ -171,11 +236,23 @@ class Server:
         self._connections.add(connection)
         try:
             if self._stop.is_set():
-                connection.drain()
+                connection.drain(ARRIVAL_GRACE)  # accepted as the drain began
             await connection.serve()
         finally:
             self._connections.discard(connection)
             limit.release()
+
+    async def _announce_ready(self) -> None:
+        """Once the model is loaded: tell a hot restart's old process (which then tells
+        systemd who the main process is), or else systemd, that we serve."""
+        await self.state.ready.wait()
+        if self.state.load_failed is not None:
+            return
+        if self.ready_fd is not None:
+            restart.report_ready(self.ready_fd)
+            self.ready_fd = None
+        else:
+            sdnotify.notify("READY=1", f"STATUS=serving on {self.address}")
 
     async def _stop_if_load_fails(self) -> None:
         await self.state.ready.wait()
@@ -195,13 +272,60 @@ class Server:
             connection.cut(deadline)  # writes to clients that stopped reading end too
 
     async def _watch_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) as signals:
-            async for signum in signals:
-                if signum == signal.SIGUSR2:
-                    logger.warning("trio tasks:\n%s", _task_tree(trio.lowlevel.current_root_task()))
-                    continue
-                logger.info("received %s", signal.Signals(signum).name)
-                self.request_stop()
+        signums = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
+        async with trio.open_nursery() as restarts:
+            with trio.open_signal_receiver(*signums) as signals:
+                async for signum in signals:
+                    if signum == signal.SIGUSR2:
+                        logger.warning("trio tasks:\n%s", _task_tree(trio.lowlevel.current_root_task()))
+                        continue
+                    logger.info("received %s", signal.Signals(signum).name)
+                    if signum == signal.SIGHUP:
+                        self._start_restart(restarts)
+                    else:
+                        self.request_stop()
+
+    def _start_restart(self, nursery: trio.Nursery) -> None:
+        if self._stop.is_set():
+            logger.info(
+                "SIGHUP ignored: process %d is already %s",
+                os.getpid(),
+                "handing over" if self._handover else "draining",
+            )
+        elif self._restart is not None:
+            logger.info("SIGHUP ignored: a hot restart is already in progress")
+        else:
+            self._restart = trio.CancelScope()
+            nursery.start_soon(self._hot_restart, self._restart)
+
+    async def _hot_restart(self, scope: trio.CancelScope) -> None:
+        """Start a new copy on our socket; hand over to it once it is ready, or serve on."""
+        me = os.getpid()
+        sdnotify.notify("RELOADING=1", sdnotify.monotonic_usec(), "STATUS=hot restart: starting a new process")
+        successor = None
+        try:
+            with scope:
+                successor = await restart.start_successor(self.sock.fileno(), self.settings.restart_timeout)
+        except restart.RestartFailed as exc:
+            logger.error("hot restart failed: %s; process %d keeps serving", exc, me)
+            sdnotify.notify("READY=1", f"STATUS=hot restart failed: {exc}")
+            return
+        finally:
+            self._restart = None
+        if successor is None or self._stop.is_set():  # told to stop meanwhile: the new one goes too
+            if successor is not None:
+                successor.kill()
+                with trio.CancelScope(shield=True):
+                    await successor.wait()
+            logger.info("hot restart abandoned: process %d is stopping", me)
+            return
+        logger.info("hot restart: process %d is ready; process %d hands over and drains", successor.pid, me)
+        # Two datagrams, the reload's end first: MAINPID= then comes while the unit is running,
+        # the state in which every systemd version takes it.
+        sdnotify.notify("READY=1", f"STATUS=serving on {self.address} (process {successor.pid})")
+        sdnotify.notify(f"MAINPID={successor.pid}")
+        self._successor = successor  # never waited for: it outlives us
+        self.request_stop(handover=True)
 
 
 def _task_tree(task: trio.lowlevel.Task | None, depth: int = 0) -> str:
@@ -215,10 +339,6 @@ def _task_tree(task: trio.lowlevel.Task | None, depth: int = 0) -> str:
         for child in nursery.child_tasks:
             lines.append(_task_tree(child, depth + 1))
     return "\n".join(lines)
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve(settings: Settings) -> None:

@@ -39,6 +39,7 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         argv: Sequence[str] | None = None,
         cwd: pathlib.Path = ROOT,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         cmd = list(argv) if argv is not None else [sys.executable, "-m", "server", "--port", str(port), *args]
         self.proc = subprocess.Popen(
@@ -49,6 +50,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            pass_fds=pass_fds,
         )
         self._lines: list[str] = []
         self._port: int | None = port or None
