@@ -221,18 +221,21 @@ class Context:
         hi = self.seq_pos_max(seq_id)
         return 0 if hi < 0 else hi - self.seq_pos_min(seq_id) + 1
 
-    def seq_state(self, seq_id: int) -> bytearray:
-        """A copy of ``seq_id``'s state (its KV cells and their positions) in host memory, for
-        ``seq_restore``. Blocking for a few ms per thousand cells: call it off the event loop."""
-        size = lib.llama_state_seq_get_size(self.ptr, seq_id)
-        data = bytearray(size)
-        written = lib.llama_state_seq_get_data(self.ptr, ffi.from_buffer("uint8_t[]", data), size, seq_id)
-        if written != size:
-            raise ContextError(f"sequence {seq_id}: state is {size} bytes, {written} were copied")
-        return data
+    def seq_state_size(self, seq_id: int) -> int:
+        """Bytes that ``seq_save`` writes for ``seq_id`` now."""
+        return int(lib.llama_state_seq_get_size(self.ptr, seq_id))
 
-    def seq_restore(self, data: bytes | bytearray, seq_id: int) -> bool:
-        """Load a state from ``seq_state`` (of any sequence of a context like this one) into
+    def seq_save(self, seq_id: int, buffer: Any) -> None:
+        """Copy ``seq_id``'s state (its KV cells and their positions) into ``buffer`` (writable,
+        exactly ``seq_state_size`` bytes), for ``seq_restore``. Blocking for a few ms per
+        thousand cells: call it off the event loop."""
+        size = len(buffer)
+        written = lib.llama_state_seq_get_data(self.ptr, ffi.from_buffer("uint8_t[]", buffer), size, seq_id)
+        if written != size:
+            raise ContextError(f"sequence {seq_id}: {written} bytes of state copied into a buffer of {size}")
+
+    def seq_restore(self, data: Any, seq_id: int) -> bool:
+        """Load a state from ``seq_save`` (of any sequence of a context like this one) into
         ``seq_id``, which should hold no cells. False when llama.cpp could not (no room); then
         ``seq_id`` holds nothing."""
         read = lib.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id)

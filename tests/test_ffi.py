@@ -151,7 +151,8 @@ def test_a_saved_sequence_state_restores_into_another_sequence(model: ffi.Model,
     ):
         batch.add_run(prompt[:-1], 0, 0, logits_last=False)
         context.decode(batch)
-        state = context.seq_state(0)
+        state = bytearray(context.seq_state_size(0))
+        context.seq_save(0, state)
         assert len(state) > 0
         assert context.seq_restore(state, 1)
         assert context.seq_cells(1) == len(prompt) - 1

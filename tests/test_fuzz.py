@@ -12,6 +12,7 @@ ceiling keeps every generation short.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import math
 import time
@@ -372,12 +373,15 @@ def fuzzer(fuzz_server: ServerProcess) -> Iterator[Fuzzer]:
 PARALLEL = 4  # the fuzz server's sequences
 GREEDY_CHAT = {"messages": [{"role": "user", "content": "Name three colors."}], "temperature": 0}
 GREEDY_COMPLETION = {"prompt": "The capital of France is", "temperature": 0}
+_PROBES = itertools.count()
 
 
 def greedy_texts(server: ServerProcess) -> tuple[str, str]:
-    """The greedy answers to two fixed requests, computed from scratch (no cached prefix)."""
-    chat = httpx.post(server.url + CHAT_PATH, json=GREEDY_CHAT, timeout=REQUEST_TIMEOUT)
-    completion = httpx.post(server.url + COMPLETION_PATH, json=GREEDY_COMPLETION, timeout=REQUEST_TIMEOUT)
+    """The greedy answers to two fixed requests, computed from scratch: each in a cache scope
+    of its own (``cache_salt``), so that nothing saved in host RAM is restored for it."""
+    salt = {"cache_salt": f"probe-{next(_PROBES)}"}
+    chat = httpx.post(server.url + CHAT_PATH, json=GREEDY_CHAT | salt, timeout=REQUEST_TIMEOUT)
+    completion = httpx.post(server.url + COMPLETION_PATH, json=GREEDY_COMPLETION | salt, timeout=REQUEST_TIMEOUT)
     assert chat.status_code == completion.status_code == 200, (chat.text, completion.text)
     for response in (chat, completion):
         assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -275,7 +275,8 @@ def test_a_400_and_a_503_show_the_servers_message(driver: WebDriver, strict: Ser
         running = stack.enter_context(
             client.stream("POST", "/v1/chat/completions", json=hog | {"logit_bias": NO_END_TOKENS})
         )
-        next(running.iter_lines())
+        lines = running.iter_lines()  # held: a dropped iterator would close the response
+        next(lines)
         queued = stack.enter_context(client.stream("POST", "/v1/chat/completions", json=hog))
         assert queued.status_code == 200
         wait_for(lambda: metric(strict, "llama_trio_queue_depth", auth) == 1, "the queued request", 30)

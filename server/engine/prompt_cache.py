@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,13 +33,25 @@ logger = logging.getLogger(__name__)
 
 # Caches shorter than this are not worth a copy (a chat template's preamble is about 30).
 MIN_SAVED_TOKENS = 64
+# Nor is a restore for a shorter match (restoring costs the whole entry; a BOS alone matches).
+MIN_RESTORED_TOKENS = 16
 
 
 @dataclass(eq=False)
 class Entry:
+    """A saved sequence state. ``data`` is an anonymous memory map of its own, so that the
+    memory goes back to the system the moment the entry goes (``close``), whatever its size;
+    freed heap blocks of this size would stay in the process."""
+
     scope: str
     tokens: list[int]
-    data: bytearray
+    data: mmap.mmap | bytearray
+
+    def close(self) -> None:
+        """Idempotent."""
+        if isinstance(self.data, mmap.mmap):
+            self.data.close()
+        self.data = bytearray()
 
 
 class HostCache:
@@ -91,6 +104,7 @@ class HostCache:
         """File ``entry``; entries it extends go, then the least recently used until it fits.
         False (nothing changes) when it alone is over the limit."""
         if len(entry.data) > self.limit:
+            entry.close()
             return False
         n = len(entry.tokens)
         for key, old in list(self._entries.items()):
@@ -104,11 +118,14 @@ class HostCache:
         return True
 
     def _drop(self, key: int) -> None:
-        self.bytes -= len(self._entries.pop(key).data)
+        entry = self._entries.pop(key)
+        self.bytes -= len(entry.data)
+        entry.close()
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0
+        """Drop every entry and free its memory. Idempotent."""
+        for key in list(self._entries):
+            self._drop(key)
 
 
 @dataclass(eq=False)
@@ -138,6 +155,8 @@ class Placer:
         request's reused tokens. Work that needs the decode thread waits in ``pending``."""
         prompt = request.prompt
         entry, saved = self.host.lookup(scope, prompt) if self.host.enabled else (None, 0)
+        if saved < MIN_RESTORED_TOKENS:
+            entry, saved = None, 0
         # Another scope's cache counts as held but never matches: it is only ever evicted.
         cached = [s.cached if s.scope == scope else () for s in free]
         held = [len(s.cached) for s in free]
@@ -176,10 +195,7 @@ class Placer:
             slot, restore = placement.slot, placement.restore
             started = time.perf_counter()
             if placement.save is not None:
-                try:
-                    placement.save.data = context.seq_state(slot.seq_id)
-                except (ffi.ContextError, MemoryError) as exc:  # the cache is an optimisation
-                    logger.warning("could not save sequence %d's cache: %s", slot.seq_id, exc)
+                self._save(slot, placement.save)
                 placement.seconds["save"] = time.perf_counter() - started
             if restore is None:
                 self._cut(slot, placement.request, placement.keep)
@@ -191,6 +207,25 @@ class Placer:
                 slot.cached.extend(restore.tokens)
                 placement.seconds["restore"] = time.perf_counter() - started
             self._cut(slot, placement.request, placement.keep if slot.cached else 0)
+
+    def _save(self, slot: Slot, entry: Entry) -> None:
+        """Copy ``slot``'s state into ``entry`` (left empty when it does not fit the bound or
+        cannot be copied: the cache is an optimisation)."""
+        size = self._context.seq_state_size(slot.seq_id)
+        if not 0 < size <= self.host.limit:
+            return
+        try:
+            data = mmap.mmap(-1, size)
+        except OSError as exc:
+            logger.warning("no memory to save sequence %d's cache: %s", slot.seq_id, exc)
+            return
+        try:
+            self._context.seq_save(slot.seq_id, data)
+        except ffi.ContextError as exc:
+            data.close()
+            logger.warning("could not save sequence %d's cache: %s", slot.seq_id, exc)
+            return
+        entry.data = data
 
     def _cut(self, slot: Slot, request: Request | None, keep: int) -> None:
         """Keep the first ``keep`` cells of ``slot`` (all go when a partial cut fails) and start
@@ -207,7 +242,7 @@ class Placer:
         """After ``prepare``: file what was saved and count the work done."""
         stats = self._stats
         for placement in self.pending:
-            if placement.save is not None and placement.save.data and self.host.put(placement.save):
+            if placement.save is not None and len(placement.save.data) and self.host.put(placement.save):
                 stats.prompt_cache_saves += 1
             stats.prompt_cache_save_seconds += placement.seconds.get("save", 0.0)
             if "restore" in placement.seconds and placement.request is not None:
