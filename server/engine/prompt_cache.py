@@ -31,6 +31,10 @@ from server.engine.request import Request, Slot
 
 logger = logging.getLogger(__name__)
 
+# The pages of a new entry are faulted in by the kernel in one go when it is mapped (Linux),
+# not one fault per page while llama.cpp copies into it: 8 instead of 20 ms per 1k tokens here.
+_MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+
 # Caches shorter than this are not worth a copy (a chat template's preamble is about 30).
 MIN_SAVED_TOKENS = 64
 # Nor is a restore for a shorter match (restoring costs the whole entry; a BOS alone matches).
@@ -215,7 +219,7 @@ class Placer:
         if not 0 < size <= self.host.limit:
             return
         try:
-            data = mmap.mmap(-1, size)
+            data = mmap.mmap(-1, size, flags=_MAP_FLAGS)
         except OSError as exc:
             logger.warning("no memory to save sequence %d's cache: %s", slot.seq_id, exc)
             return
