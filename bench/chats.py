@@ -42,13 +42,16 @@ from bench.server import (
     LLAMA_SERVER,
     SIDES,
     Config,
+    Metric,
     Session,
     StreamResult,
     chat_body,
     end_of_generation_tokens,
     measure_startup,
+    metric_rows,
     server_command,
     stream_chat,
+    summarise_metrics,
     wait_quiet,
 )
 from tests.support.ports import free_port
@@ -167,39 +170,20 @@ def run_side(side: str, exe: Any, model_path: Any, cfg: Config, banned: Sequence
     return out
 
 
-ROWS = (
-    ("later_ttft", "many chats: TTFT p50, later turns", "ms", lambda r: 1000 * r["many_chats"]["later_ttft_p50_s"], 0),
-    ("first_ttft", "many chats: TTFT p50, first turns", "ms", lambda r: 1000 * r["many_chats"]["first_ttft_p50_s"], 0),
+ROWS: tuple[Metric, ...] = (
+    ("later_ttft", "many chats: TTFT p50, later turns", "ms",
+     lambda r: 1000 * r["many_chats"]["later_ttft_p50_s"], 0, False),
+    ("first_ttft", "many chats: TTFT p50, first turns", "ms",
+     lambda r: 1000 * r["many_chats"]["first_ttft_p50_s"], 0, False),
     ("later_cached", "many chats: cached tokens p50, later turns", "tokens",
-     lambda r: r["many_chats"]["later_cached_tokens_p50"], 0),
-    ("alternating", "alternating prompts: TTFT p50 of repeats", "ms", lambda r: 1000 * r["alternating"]["p50_s"], 0),
+     lambda r: r["many_chats"]["later_cached_tokens_p50"], 0, True),
+    ("alternating", "alternating prompts: TTFT p50 of repeats", "ms",
+     lambda r: 1000 * r["alternating"]["p50_s"], 0, False),
 )  # fmt: skip
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    summary: dict[str, Any] = {}
-    for key, label, unit, get, _digits in ROWS:
-        entry: dict[str, Any] = {"label": label, "unit": unit}
-        for side in SIDES:
-            values = [get(r) for r in runs if r["side"] == side]
-            entry[side] = common.Summary.of(values).as_dict() if values else None
-        if entry["ours"] and entry["llama-server"] and entry["llama-server"]["median"]:
-            entry["ratio"] = entry["ours"]["median"] / entry["llama-server"]["median"]
-        summary[key] = entry
-    return summary
-
-
 def markdown(summary: dict[str, Any], runs: int, info: dict[str, Any]) -> str:
-    rows = []
-    for key, label, unit, _get, digits in ROWS:
-        entry = summary[key]
-        cells = [f"{label} ({unit})"]
-        for side in SIDES:
-            s = entry[side]
-            cells.append(common.Summary(s["median"], s["min"], s["max"], s["n"]).format(digits) if s else "-")
-        ratio = entry.get("ratio")
-        cells.append(f"{ratio:.2f}" if ratio is not None else "-")
-        rows.append(cells)
+    rows = metric_rows(summary, ROWS)
     dirty = " (with uncommitted changes)" if info["git"]["dirty"] else ""
     return "\n".join(
         [
@@ -246,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
                 runs.append(run)
-    summary = summarise(runs)
+    summary = summarise_metrics(runs, ROWS)
     info = {"threads": args.threads, "git": common.git_version(), "llama_cpp": common.llama_pin()}
     table = markdown(summary, args.runs, info)
     print()

@@ -801,9 +801,10 @@ def _metrics() -> list[Metric]:
     return metrics
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise_metrics(runs: list[dict[str, Any]], metrics: Sequence[Metric]) -> dict[str, Any]:
+    """Per metric: each side's median (min-max) over ``runs`` and the ratio of the medians."""
     summary: dict[str, Any] = {}
-    for key, label, unit, get, _digits, higher in _metrics():
+    for key, label, unit, get, _digits, higher in metrics:
         entry: dict[str, Any] = {"label": label, "unit": unit, "higher_is_better": higher}
         for side in SIDES:
             values = [v for r in runs if r["side"] == side and (v := get(r)) is not None]
@@ -811,6 +812,26 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if entry["ours"] and entry["llama-server"] and entry["llama-server"]["median"]:
             entry["ratio"] = entry["ours"]["median"] / entry["llama-server"]["median"]
         summary[key] = entry
+    return summary
+
+
+def metric_rows(summary: dict[str, Any], metrics: Sequence[Metric]) -> list[list[str]]:
+    """One table row per metric: label, each side's median (min-max), the ratio."""
+    rows = []
+    for key, label, unit, _get, digits, _higher in metrics:
+        entry = summary[key]
+        cells = [f"{label} ({unit})"]
+        for side in SIDES:
+            s = entry[side]
+            cells.append(common.Summary(s["median"], s["min"], s["max"], s["n"]).format(digits) if s else "-")
+        ratio = entry.get("ratio")
+        cells.append(f"{ratio:.2f}" if ratio is not None else "-")
+        rows.append(cells)
+    return rows
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = summarise_metrics(runs, _metrics())
     ours_free = {c: summary[f"tps_{c}"]["ours"] for c in JSON_CONCURRENCY}
     ours_json = {c: summary[f"json_tps_{c}"]["ours"] for c in JSON_CONCURRENCY}
     summary["json_vs_free"] = {
@@ -837,16 +858,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(summary: dict[str, Any], runs: int, info: dict[str, Any]) -> str:
-    rows = []
-    for key, label, unit, _get, digits, _higher in _metrics():
-        entry = summary[key]
-        cells = [f"{label} ({unit})"]
-        for side in SIDES:
-            s = entry[side]
-            cells.append(common.Summary(s["median"], s["min"], s["max"], s["n"]).format(digits) if s else "-")
-        ratio = entry.get("ratio")
-        cells.append(f"{ratio:.2f}" if ratio is not None else "-")
-        rows.append(cells)
+    rows = metric_rows(summary, _metrics())
     for label, field_ in (
         ("SIGTERM: streams well formed (finish or error event, [DONE], body end)", "well_formed_streams"),
         ("SIGTERM: plain bind of the port right after exit succeeds", "plain_bind_ok"),

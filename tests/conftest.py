@@ -25,13 +25,10 @@ def model(model_path: pathlib.Path):
 @pytest.fixture(scope="module")
 def server():
     """One server for a test module: 4 sequences, small context, the default model."""
-    from tests.support.process import ServerProcess
+    from tests.support.process import serving
 
-    with ServerProcess(["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]) as proc:
-        proc.wait_ready()
+    with serving(["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]) as proc:
         yield proc
-        assert proc.stop() == 0
-    assert "Traceback" not in proc.log, proc.log[-5000:]
 
 
 # -- reliability runs: soak length and fuzzing examples (longer runs: raise them) -------------

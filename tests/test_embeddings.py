@@ -13,17 +13,14 @@ import httpx
 import openai
 import pytest
 
-from tests.support.process import ServerProcess
+from tests.support.process import ServerProcess, serving
 
 
 @pytest.fixture(scope="module")
 def embedding_server() -> Iterator[ServerProcess]:
     args = ["--embeddings", "--parallel", "4", "--ctx-size", "2048", "--batch-size", "256", "--threads", "2"]
-    with ServerProcess(args) as proc:
-        proc.wait_ready()
+    with serving(args) as proc:
         yield proc
-        assert proc.stop() == 0
-    assert "Traceback" not in proc.log, proc.log[-5000:]
 
 
 @pytest.fixture(scope="module")

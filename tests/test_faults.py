@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.support import sse
-from tests.support.process import NO_END_TOKENS, ServerProcess
+from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 from tests.support.rawhttp import closed_by_peer, dechunk, request_bytes
 from tests.support.waiting import wait_for
 
@@ -39,11 +39,8 @@ def limited() -> Iterator[ServerProcess]:
         *("--read-timeout", str(READ_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)),
         *("--max-header-size", str(MAX_HEADER)),
     ]
-    with ServerProcess(args) as proc:
-        proc.wait_ready()
+    with serving(args) as proc:
         yield proc
-        assert proc.stop() == 0
-    assert "Traceback" not in proc.log, proc.log[-5000:]
 
 
 def server_sockets(pid: int) -> int:

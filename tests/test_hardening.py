@@ -21,7 +21,7 @@ import pytest
 import ffi
 from server.api.prompt import chat_tokens, text_tokens
 from tests.support import sse
-from tests.support.process import ServerProcess
+from tests.support.process import ServerProcess, serving
 from tests.support.rawhttp import closed_by_peer, dechunk, read_head, request_bytes
 from tests.support.waiting import wait_for
 
@@ -32,11 +32,8 @@ ORIGIN = "http://app.test"
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     args = ["--parallel", "2", "--ctx-size", "2048", "--threads", "1", "--cors-origin", ORIGIN]
-    with ServerProcess(args) as proc:
-        proc.wait_ready()
+    with serving(args) as proc:
         yield proc
-        assert proc.stop() == 0
-    assert "Traceback" not in proc.log, proc.log[-5000:]
 
 
 def connect(server: ServerProcess) -> socket.socket:

@@ -419,7 +419,7 @@ class Engine:
             if slot.request is not None and slot.request.sampler is not None:
                 slot.request.sampler.close()
             slot.request = None
-        self._placer.host.clear()
+        self._placer.close()
         self._batch.close()
         self.context.close()
         self._thread.close()

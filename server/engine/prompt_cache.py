@@ -242,6 +242,14 @@ class Placer:
             request.n_past = request.n_prompt_done = request.cached_tokens = keep
             self._stats.cached_tokens += keep
 
+    def close(self) -> None:
+        """Free every saved state, those of placements not yet settled too. Idempotent."""
+        for placement in self.pending:
+            if placement.save is not None:
+                placement.save.close()
+        self.pending.clear()
+        self.host.clear()
+
     def settle(self) -> None:
         """After ``prepare``: file what was saved and count the work done."""
         stats = self._stats

@@ -19,7 +19,9 @@ from typing import NamedTuple
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
-    a, b = list(a), list(b)
+    # Slices compare only between sequences of one type; the engine's are lists already.
+    a = a if isinstance(a, list) else list(a)
+    b = b if isinstance(b, list) else list(b)
     n = min(len(a), len(b))
     i = 0
     # Whole blocks compare at C speed; only the block with the first difference goes token by token.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -10,7 +11,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -135,3 +137,14 @@ class ServerProcess:
         self._reader.join(5)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+@contextlib.contextmanager
+def serving(args: Sequence[str] = (), **kwargs: Any) -> Iterator[ServerProcess]:
+    """A ready server for a fixture's lifetime (``ServerProcess``'s keywords pass through); at
+    the end it must exit 0 on SIGTERM and have logged no traceback."""
+    with ServerProcess(args, **kwargs) as proc:
+        proc.wait_ready()
+        yield proc
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.log, proc.log[-5000:]
