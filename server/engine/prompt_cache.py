@@ -22,7 +22,7 @@ import logging
 import mmap
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ffi
 from server.engine import scheduler
@@ -142,7 +142,6 @@ class Placement:
     keep: int
     save: Entry | None = None  # tokens and scope to save; ``data`` is filled by ``prepare``
     restore: Entry | None = None
-    seconds: dict[str, float] = field(default_factory=dict)
 
 
 class Placer:
@@ -193,24 +192,30 @@ class Placer:
         self.pending.append(Placement(slot, request, keep, save, restore))
 
     def prepare(self) -> None:
-        """Run the pending placements' C work. Blocking: call it in the decode thread."""
-        context = self._context
+        """Run the pending placements' C work, and count it. Blocking: call it in the decode
+        thread, while the engine task waits."""
+        context, stats = self._context, self._stats
         for placement in self.pending:
-            slot, restore = placement.slot, placement.restore
+            slot, restore, request = placement.slot, placement.restore, placement.request
             started = time.perf_counter()
             if placement.save is not None:
                 self._save(slot, placement.save)
-                placement.seconds["save"] = time.perf_counter() - started
+                stats.prompt_cache_save_seconds += time.perf_counter() - started
             if restore is None:
-                self._cut(slot, placement.request, placement.keep)
+                self._cut(slot, request, placement.keep)
                 continue
             started = time.perf_counter()
             context.seq_rm(slot.seq_id)
             slot.cached.clear()
-            if context.seq_restore(restore.data, slot.seq_id):
-                slot.cached.extend(restore.tokens)
-                placement.seconds["restore"] = time.perf_counter() - started
-            self._cut(slot, placement.request, placement.keep if slot.cached else 0)
+            if not context.seq_restore(restore.data, slot.seq_id):
+                self._cut(slot, request, 0)
+                continue
+            slot.cached.extend(restore.tokens)
+            self._cut(slot, request, placement.keep)
+            stats.prompt_cache_restore_seconds += time.perf_counter() - started
+            if request is not None:
+                request.restored_tokens = request.cached_tokens
+                stats.prompt_cache_tokens_restored += request.cached_tokens
 
     def _save(self, slot: Slot, entry: Entry) -> None:
         """Copy ``slot``'s state into ``entry`` (left empty when it does not fit the bound or
@@ -251,16 +256,11 @@ class Placer:
         self.host.clear()
 
     def settle(self) -> None:
-        """After ``prepare``: file what was saved and count the work done."""
+        """After ``prepare``: file what was saved."""
         stats = self._stats
         for placement in self.pending:
             if placement.save is not None and len(placement.save.data) and self.host.put(placement.save):
                 stats.prompt_cache_saves += 1
-            stats.prompt_cache_save_seconds += placement.seconds.get("save", 0.0)
-            if "restore" in placement.seconds and placement.request is not None:
-                stats.prompt_cache_restore_seconds += placement.seconds["restore"]
-                stats.prompt_cache_tokens_restored += placement.request.cached_tokens
-                placement.request.restored_tokens = placement.request.cached_tokens
         self.pending.clear()
         stats.prompt_cache_bytes = self.host.bytes
         stats.prompt_cache_entries = len(self.host)
