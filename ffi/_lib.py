@@ -1,7 +1,7 @@
 """The compiled cffi module, process-wide llama.cpp set-up, and the C-to-Python callbacks.
 
 ``llama_backend_init`` runs once, on first import. llama.cpp's log lines go to the
-``llama_cpp`` logger: its INFO output at DEBUG (quiet by default), warnings and errors as such.
+``llama_trio.llama_cpp`` logger: its INFO output at DEBUG (quiet by default), warnings and errors as such.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build state
 
 __all__ = ["ffi", "lib", "ProgressReporter"]
 
-log = logging.getLogger("llama_cpp")
+log = logging.getLogger("llama_trio.llama_cpp")
 
 _LEVELS = {
     lib.GGML_LOG_LEVEL_DEBUG: logging.DEBUG,

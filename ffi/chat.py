@@ -18,7 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ffi._lib import ffi, lib
 from ffi.errors import TemplateError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama_trio.ffi.chat")
 
 # Used when a model has no template of its own.
 DEFAULT_TEMPLATE = "chatml"

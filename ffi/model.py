@@ -15,7 +15,7 @@ from ffi.vocab import Vocab
 if TYPE_CHECKING:
     from ffi.context import Context
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama_trio.ffi")
 
 _GGUF_MAGIC = b"GGUF"
 

@@ -24,9 +24,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import trio
 
     from server.model_files import DefaultModelMissing
-    from server.net.lifecycle import Server
     from server.net.listener import ListenError, inherited_socket
-    from server.net.restart import take_ready_fd
+    from server.serve.lifecycle import Server
+    from server.serve.restart import take_ready_fd
     from server.state import TemplateFileError
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s",
     )
     if not settings.verbose:
-        logging.getLogger("llama_cpp").setLevel(logging.WARNING)
+        logging.getLogger("llama_trio.llama_cpp").setLevel(logging.WARNING)
     ready_fd = take_ready_fd(os.environ)  # set when we are a hot restart's new process
     try:
         sock = inherited_socket(settings.fd, os.environ)
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     host = server.sock.getsockname()[0]
     if not ipaddress.ip_address(host).is_loopback and not settings.api_keys():
-        logging.getLogger("server").warning(
+        logging.getLogger("llama_trio").warning(
             "listening on %s without an API key: anyone who can reach it may use it", host
         )
     trio.run(server.serve)

@@ -16,14 +16,14 @@ import time
 import trio
 
 import ffi
-from server.api.metrics import Metrics
 from server.engine import Engine, EngineConfig, EngineStats, open_engine
-from server.engine.constraint import GrammarCache, build_tokenizer
 from server.engine.embedder import Embedder, open_embedder
+from server.engine.grammar import GrammarCache, build_tokenizer
+from server.metrics import Metrics
 from server.model_files import default_model_path
 from server.settings import Settings
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama_trio.state")
 
 
 class TemplateFileError(OSError):

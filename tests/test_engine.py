@@ -251,7 +251,7 @@ async def test_direct_delivery_keeps_order_through_refusals(
         received.append(("direct", piece))
         return True
 
-    with caplog.at_level(logging.ERROR, logger="server.engine"):
+    with caplog.at_level(logging.ERROR, logger="llama_trio.engine"):
         async with engine.submit(job(model, PROMPTS[1], 48)) as pieces:
             iterator = pieces.__aiter__()
             while True:

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from server.net import sdnotify
 from server.net.listener import (
     SD_LISTEN_FDS_START,
     ListenError,
@@ -26,6 +25,7 @@ from server.net.listener import (
     inherited_socket,
     systemd_fd,
 )
+from server.serve import sdnotify
 from tests.support import sse
 from tests.support.process import ServerProcess
 from tests.support.rawhttp import dechunk, parse_head, request_bytes

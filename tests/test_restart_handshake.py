@@ -1,4 +1,4 @@
-"""The hot restart's handshake (``server/net/restart.py``) without a server: a stand-in new
+"""The hot restart's handshake (``server/serve/restart.py``) without a server: a stand-in new
 process is a few lines of Python that write on the ready pipe, or do not."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from server.net import restart
+from server.serve import restart
 
 PIPE = "int(os.environ['LLAMA_TRIO_READY_FD'])"
 # What report_ready writes.

@@ -24,8 +24,8 @@ from server.api import schema
 from server.api.completions import complete, json_response
 from server.api.embeddings import embed
 from server.api.errors import ApiError
-from server.api.metrics import CONTENT_TYPE
 from server.api.webui import add_webui
+from server.metrics import CONTENT_TYPE
 from server.settings import Settings, settings_from_env
 from server.state import ServerState
 
@@ -41,7 +41,7 @@ MAX_CORS_HEADER_LIST = 2048
 
 
 def create_app(settings: Settings | None = None, *, state: ServerState | None = None) -> QuartTrio:
-    """The app. With ``state``, the caller (``server.net.lifecycle``) runs the engine; without, the
+    """The app. With ``state``, the caller (``server.serve.lifecycle``) runs the engine; without, the
     app loads the model and runs the engine in its own lifespan (the hypercorn CLI launch)."""
     owns_engine = state is None
     if state is None:

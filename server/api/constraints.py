@@ -13,7 +13,7 @@ import trio
 
 from server.api import schema, tools
 from server.api.errors import ApiError
-from server.engine.constraint import Grammar, GrammarError, GrammarKind
+from server.engine.grammar import Grammar, GrammarError, GrammarKind
 from server.state import ServerState
 
 # A function without parameters takes an empty object.

@@ -22,7 +22,7 @@ from server.api.prompt import chat_tokens, text_tokens
 from server.engine import Job, ShuttingDown
 from server.state import ServerState
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama_trio.api")
 
 # Preparing a request runs in a worker thread when its work is larger than this, counted in
 # characters of text to tokenize (about 0.25 us each here, so about half a millisecond) plus

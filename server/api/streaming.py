@@ -1,34 +1,24 @@
 """Streamed responses: the SSE body of a completion, and its fast path.
 
-This is the one module that reaches under Quart and Hypercorn. The SSE body is an async
-generator that Quart sends chunk by chunk; on top of that, while the socket takes them, the
-engine task writes a stream's text pieces straight to the socket (``_direct_sink``) instead of
-waking this body's task, and Quart, Hypercorn and h11 never see those bytes. Per token this
-skips a task switch, Quart's and Hypercorn's body path and h11's framing; on 2 cores every
-microsecond the main thread spends between two decode steps delays the next one (measured in
-``bench/results/README.md``).
+The SSE body is an async generator that Quart sends chunk by chunk; on top of that, while
+the socket takes them, the engine task writes a stream's text pieces straight to the socket
+(``_direct_sink``) instead of waking this body's task, and Quart, Hypercorn and h11 never see
+those bytes. Per token this skips a task switch, Quart's and Hypercorn's body path and h11's
+framing; on 2 cores every microsecond the main thread spends between two decode steps delays
+the next one (measured in ``bench/results/README.md``).
 
-The fast path is correct because of these invariants, each checked where it is used:
+The transport is reached only through ``server.net.transport`` (``current_transport``): it
+hands out a chunk writer for the body being sent and says when it is safe (its own invariants
+are in ``Connection.body_writer``). What this module holds up on its side:
 
-1. **h11 keeps no byte count of a chunked body.** A body of unknown length to an HTTP/1.1 peer
-   is sent chunked, and h11 only tracks its state (``SEND_BODY``); chunks we frame and write
-   ourselves between two of its own leave its state as valid as before. So the fast path is
-   used only for a chunked HTTP/1.1 body (``their_http_version == b"1.1"``) in ``SEND_BODY``;
-   an HTTP/1.0 peer (close-delimited body) takes the ordinary path.
-2. **Quart finishes each ``send`` before it pulls the next chunk** from the body generator.
+1. **Quart finishes each ``send`` before it pulls the next chunk** from the body generator.
    So while the generator runs, no write of this response is in flight, and arming the sink
    from the generator (``Pieces.deliver_directly``, which arms only when every piece taken
    from the channel has been yielded) cannot let a direct piece overtake a queued one.
-3. **One writer at a time.** ``Connection.write_nowait`` refuses while the connection's send
-   lock is held (a write through Hypercorn in progress), and writes with one non-blocking
-   ``write`` with no checkpoint in between, so direct and ordinary writes never interleave.
-4. **The owed tail.** A chunk the socket takes only in part is still a whole chunk on the
-   wire: its tail is owed and goes out ahead of the connection's next write of any kind
-   (``Connection`` keeps it); the direct writer refuses while a tail is owed.
-5. **The response is still ours.** The writer checks, at every piece, that Hypercorn's
-   current stream is this request's (a later request on the connection has another) and that
-   h11 is still in ``SEND_BODY``; the last piece (with ``finish_reason``) always goes through
-   the body generator, which ends the body.
+2. **The writer is asked for after the head is out**: Hypercorn sends the head with the first
+   chunk, so only then is the body being sent.
+3. **The body ends itself**: the last piece (with ``finish_reason``) always goes through the
+   body generator, which writes the finish and ends the body.
 
 A piece the sink refuses, and every one after it, goes through the channel until the body
 re-arms the sink, so backpressure (the sequence pauses) and the write timeout work unchanged.
@@ -40,16 +30,14 @@ import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-import h11
 import trio
-from hypercorn.protocol.h11 import H11Protocol
 from quart import Response
 
 from server.api import logprobs, sse, tools
 from server.api.prepare import Prepared
 from server.api.trace import Trace, merged_usage, usage_payload
 from server.engine import Engine, EngineError, Piece, PieceSink, Usage
-from server.net.connection import Connection, current_connection
+from server.net.transport import ChunkWriter, current_transport
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -104,10 +92,10 @@ async def _sse_body(
     *Cancellation*: Quart-Trio cancels the task iterating this body when the client goes
     away; the ``submit`` block is left and the engine frees the sequence before its next step.
     """
-    connection = current_connection.get()
+    transport = current_transport.get()
     probe = _Probe()
-    if connection is not None:
-        connection.on_peer_closed(probe.start)
+    if transport is not None:
+        transport.on_peer_closed(probe.start)
     try:
         for index in range(prepared.job.n_choices):
             if prepared.chat:
@@ -120,7 +108,7 @@ async def _sse_body(
                 # A tool-using answer is translated piece by piece here; others may go directly.
                 # Hypercorn sends the head with the first chunk: only from here on is the body
                 # being sent (for chat; a completion stream has no first chunk yet, so no writer).
-                probe.write = write = _chunk_writer(connection)
+                probe.write = write = transport.body_writer() if transport is not None else None
                 direct = write is not None and not prepared.tools and not prepared.logprobs
                 sink = _direct_sink(write, framer, trace) if direct and write is not None else None
                 answer: _Answer
@@ -166,8 +154,8 @@ async def _sse_body(
             yield sse.error_event(str(exc), type_, exc.code)
         yield sse.DONE
     finally:
-        if connection is not None:
-            connection.on_peer_closed(None)
+        if transport is not None:
+            transport.on_peer_closed(None)
         trace.log()
 
 
@@ -238,7 +226,7 @@ class _ToolAnswer:
         return "tool_calls" if self._parser.calls and reason == "stop" else reason
 
 
-def _direct_sink(write: Callable[[bytes], bool], framer: sse.ChunkFramer, trace: Trace) -> PieceSink:
+def _direct_sink(write: ChunkWriter, framer: sse.ChunkFramer, trace: Trace) -> PieceSink:
     """The sink the engine task calls with each piece of this stream: frame it as an SSE event
     in an HTTP/1.1 chunk and write it without waiting (True), or refuse (False: the socket
     would block or is gone, or it is the last piece, which the body sends with the finish and
@@ -252,27 +240,3 @@ def _direct_sink(write: Callable[[bytes], bool], framer: sse.ChunkFramer, trace:
         return True
 
     return sink
-
-
-def _chunk_writer(connection: Connection | None) -> Callable[[bytes], bool] | None:
-    """A function that writes one chunk of the response being sent now straight to the
-    socket, or refuses (False); None when that response is not a chunked HTTP/1.1 body on one
-    of our own connections (invariants 1 and 5 above)."""
-    if connection is None or not connection.writes_nowait:  # e.g. under the hypercorn CLI
-        return None
-    protocol = connection.protocol.protocol  # Hypercorn's ProtocolWrapper -> H11Protocol
-    if not isinstance(protocol, H11Protocol):
-        return None
-    h11_connection = protocol.connection
-    if not isinstance(h11_connection, h11.Connection) or h11_connection.their_http_version != b"1.1":
-        return None
-    response = protocol.stream  # this request's; a later one on the connection gets another
-    if h11_connection.our_state is not h11.SEND_BODY or response is None:
-        return None
-
-    def write(data: bytes) -> bool:
-        if protocol.stream is not response or h11_connection.our_state is not h11.SEND_BODY or not data:
-            return False
-        return connection.write_nowait(b"%x\r\n%b\r\n" % (len(data), data))
-
-    return write

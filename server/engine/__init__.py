@@ -4,13 +4,14 @@
 - ``config``: ``EngineConfig`` and ``EngineStats``;
 - ``scheduler``: pure decisions (which sequence, what one step carries, stop strings, when a
   job finishes), unit-tested without a model;
-- ``constraint``: grammars (llguidance) for constrained decoding, one matcher per sequence;
-- ``request``: one job's state in the engine and the ``Pieces`` its caller reads;
+- ``grammar``: grammars (llguidance) for constrained decoding, one matcher per sequence;
+- ``choice``: one choice of a job in the engine (its state, its sequence) and the ``Pieces`` its caller reads;
 - ``decode_thread``: the one thread that runs llama.cpp's long calls; ``step``: what it runs each
   step (fill the batch, decode, sample);
 - ``driver``: the ``Engine`` task and ``open_engine``.
 """
 
+from server.engine.choice import Pieces
 from server.engine.config import EngineConfig, EngineStats
 from server.engine.decode_thread import DecodeThread
 from server.engine.driver import Engine, open_engine
@@ -28,7 +29,6 @@ from server.engine.jobs import (
     TokenLogprob,
     Usage,
 )
-from server.engine.request import Pieces
 
 __all__ = [
     "ConstraintFailed",

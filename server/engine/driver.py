@@ -31,6 +31,7 @@ import trio
 
 import ffi
 from server.engine import scheduler
+from server.engine.choice import Choice, Pieces, Slot
 from server.engine.config import KV_STATS_EVERY, EngineConfig, EngineStats
 from server.engine.decode_thread import DecodeThread
 from server.engine.jobs import (
@@ -45,10 +46,9 @@ from server.engine.jobs import (
     Usage,
 )
 from server.engine.prompt_cache import Placer
-from server.engine.request import Pieces, Request, Slot
 from server.engine.step import run_step
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama_trio.engine")
 
 
 class Engine:
@@ -82,13 +82,13 @@ class Engine:
         self._eog = self.vocab.eog_tokens
         self._batch = ffi.Batch(config.n_batch)
         self._slots = [Slot(i) for i in range(config.n_parallel)]
-        self._queue: collections.deque[Request] = collections.deque()
+        self._queue: collections.deque[Choice] = collections.deque()
         self._wakeup = trio.Event()
         self._accepting = True
         self._tick = 0
         self.stats = EngineStats()
         self._closed = False
-        self._outbox: list[tuple[Request, Piece, bool]] = []  # pieces for ``_hand_out``
+        self._outbox: list[tuple[Choice, Piece, bool]] = []  # pieces for ``_hand_out``
         self._mask = ffi.TokenMask(self.vocab.n_tokens)  # scratch for constrained sampling
         self._placer = Placer(self.context, self.stats, config.cache_bytes)
 
@@ -109,16 +109,16 @@ class Engine:
         error = self.admission_error(job)
         if error is not None:
             raise error
-        request = Request.for_job(job, self.config.channel_size)
-        self._queue.append(request)
+        choice = Choice.for_job(job, self.config.channel_size)
+        self._queue.append(choice)
         self.stats.queued = len(self._queue)
         self._wake()
         try:
-            yield Pieces(request, self._wake)
+            yield Pieces(choice, self._wake)
         finally:
-            for member in request.members:
+            for member in choice.members:
                 member.released = True
-            request.receive.close()
+            choice.receive.close()
             self._wake()
 
     def admission_error(self, job: Job) -> EngineError | None:
@@ -151,11 +151,11 @@ class Engine:
     def fail_queued(self, error: EngineError, *, keep_streamed: bool = False) -> None:
         """End queued jobs with ``error`` now (they never decode); ``keep_streamed`` keeps streamed ones queued."""
         queued, self._queue = self._queue, collections.deque()
-        for request in queued:
-            if keep_streamed and request.job.streamed:
-                self._queue.append(request)
+        for choice in queued:
+            if keep_streamed and choice.job.streamed:
+                self._queue.append(choice)
             else:
-                request.end_with(error)
+                choice.end_with(error)
         self.stats.queued = len(self._queue)
 
     def abort_all(self, error: EngineError) -> None:
@@ -163,13 +163,13 @@ class Engine:
         the engine's next step."""
         self.fail_queued(error)
         for slot in self._slots:
-            if slot.request is not None:
-                slot.request.end_with(error)
+            if slot.choice is not None:
+                slot.choice.end_with(error)
         self._wake()
 
     @property
     def busy(self) -> bool:
-        return bool(self._queue) or any(s.request is not None for s in self._slots)
+        return bool(self._queue) or any(s.choice is not None for s in self._slots)
 
     # -- the engine task -------------------------------------------------------------------------
 
@@ -224,59 +224,59 @@ class Engine:
     def _reap(self) -> None:
         """Drop released jobs: queued ones leave the queue, running ones free their cells."""
         if any(r.released for r in self._queue):
-            for request in [r for r in self._queue if r.released]:
-                self._queue.remove(request)
-                self._count_cancel(request)
+            for choice in [r for r in self._queue if r.released]:
+                self._queue.remove(choice)
+                self._count_cancel(choice)
             self.stats.queued = len(self._queue)
         for slot in self._slots:
-            running = slot.request
+            running = slot.choice
             if running is not None and running.released:
                 self._count_cancel(running)
                 self._free_slot(slot, keep_cache=False)
 
-    def _count_cancel(self, request: Request) -> None:
-        if request.phase is not None:
-            self.stats.cancellations[request.phase.value] += 1
-            request.phase = None
+    def _count_cancel(self, choice: Choice) -> None:
+        if choice.phase is not None:
+            self.stats.cancellations[choice.phase.value] += 1
+            choice.phase = None
 
     def _free_slot(self, slot: Slot, *, keep_cache: bool) -> None:
-        request = slot.request
-        slot.request = None
-        if request is not None and request.sampler is not None:
-            request.sampler.close()
-            request.sampler = None
+        choice = slot.choice
+        slot.choice = None
+        if choice is not None and choice.sampler is not None:
+            choice.sampler.close()
+            choice.sampler = None
         if not keep_cache:
             self.context.seq_rm(slot.seq_id)
             slot.cached.clear()
 
     def _admit(self) -> None:
-        free = [s for s in self._slots if s.request is None]
+        free = [s for s in self._slots if s.choice is None]
         while self._queue and len(free) >= self._queue[0].job.n_choices:
-            request = self._queue.popleft()
-            job = request.job
+            choice = self._queue.popleft()
+            job = choice.job
             try:
-                samplers = [ffi.Sampler(job.sampling_for(m.index), self.vocab.n_tokens) for m in request.members]
+                samplers = [ffi.Sampler(job.sampling_for(m.index), self.vocab.n_tokens) for m in choice.members]
             except Exception as exc:  # one job's bad parameters must never stop the engine task
                 logger.exception("cannot build a sampler; ending that job")
-                request.phase = None
-                request.end_with(EngineFailure(f"cannot build the sampler: {exc}"))
+                choice.phase = None
+                choice.end_with(EngineFailure(f"cannot build the sampler: {exc}"))
                 continue
-            slots: dict[Request, Slot] = {}
-            for source in (m for m in request.members if m.source is m):
+            slots: dict[Choice, Slot] = {}
+            for source in (m for m in choice.members if m.source is m):
                 slots[source] = self._placer.place(free, source, job.cache_scope)
             # The copies' sequences get the source's cells: the least recently used free
             # sequences give theirs up.
             free.sort(key=lambda s: s.last_used)
-            for member in request.members:
+            for member in choice.members:
                 if member.source is not member:
                     slots[member] = free.pop(0)
                     self._placer.evict(slots[member])
-            for member, sampler in zip(request.members, samplers, strict=True):
+            for member, sampler in zip(choice.members, samplers, strict=True):
                 slot = slots[member]
                 self._tick += 1
                 slot.last_used = self._tick
                 slot.scope = job.cache_scope
-                slot.request = member
+                slot.choice = member
                 member.slot = slot
                 member.phase = Phase.PREFILL
                 member.sampler = sampler
@@ -289,17 +289,17 @@ class Engine:
         prefilling: list[tuple[int, int]] = []
         paused = 0
         for i, slot in enumerate(self._slots):
-            request = slot.request
-            if request is None or request.released:
+            choice = slot.choice
+            if choice is None or choice.released:
                 continue
-            if request.phase is Phase.GENERATE:
-                request.paused = request.sent - request.taken >= self.config.channel_size
-                if request.paused:
+            if choice.phase is Phase.GENERATE:
+                choice.paused = choice.sent - choice.taken >= self.config.channel_size
+                if choice.paused:
                     paused += 1
-                elif request.pending is not None:
+                elif choice.pending is not None:
                     decoding.append(i)
-            elif request.phase is Phase.PREFILL and request.source is request:  # copies wait for it
-                prefilling.append((i, len(request.prompt) - request.n_prompt_done))
+            elif choice.phase is Phase.PREFILL and choice.source is choice:  # copies wait for it
+                prefilling.append((i, len(choice.prompt) - choice.n_prompt_done))
         # Prompt chunks in arrival order: the earliest-admitted slot first.
         prefilling.sort(key=lambda entry: self._slots[entry[0]].last_used)
         self.stats.paused = paused
@@ -310,94 +310,94 @@ class Engine:
         the pieces that result, and free the sequences of jobs that finished."""
         eog = self._eog
         for slot, token in sampled:
-            request = slot.request
-            if request is None:
+            choice = slot.choice
+            if choice is None:
                 continue
-            if request.phase is Phase.PREFILL:
-                request.phase = Phase.GENERATE
-                if request.source is request:
-                    self.stats.prompt_tokens += len(request.prompt) - request.cached_tokens
-            if request.released:
+            if choice.phase is Phase.PREFILL:
+                choice.phase = Phase.GENERATE
+                if choice.source is choice:
+                    self.stats.prompt_tokens += len(choice.prompt) - choice.cached_tokens
+            if choice.released:
                 continue  # reaped before the next step
-            request.n_generated += 1
+            choice.n_generated += 1
             self.stats.generated_tokens += 1
-            if request.failure is not None:
-                request.end_with(request.failure)
+            if choice.failure is not None:
+                choice.end_with(choice.failure)
                 continue
-            detok = request.detok
+            detok = choice.detok
             assert detok is not None
             end_of_generation = token in eog
             verdict = scheduler.judge_token(
-                request.stops,
+                choice.stops,
                 "" if end_of_generation else detok.feed(token),
                 end_of_generation=end_of_generation,
-                n_generated=request.n_generated,
-                max_tokens=request.job.max_tokens,
-                n_past=request.n_past,
+                n_generated=choice.n_generated,
+                max_tokens=choice.job.max_tokens,
+                n_past=choice.n_past,
                 n_ctx_seq=self.n_ctx_seq,
-                grammar_done=request.matcher is not None and request.matcher.done,
+                grammar_done=choice.matcher is not None and choice.matcher.done,
             )
             tokens = () if end_of_generation else (token,)
-            logprobs = (request.logprob,) if request.logprob is not None and tokens else ()
-            request.logprob = None
+            logprobs = (choice.logprob,) if choice.logprob is not None and tokens else ()
+            choice.logprob = None
             if verdict.finish is None:
-                request.pending = token
+                choice.pending = token
                 if verdict.text or logprobs:
-                    self._queue_piece(request, Piece(verdict.text, tokens, logprobs=logprobs, index=request.index))
+                    self._queue_piece(choice, Piece(verdict.text, tokens, logprobs=logprobs, index=choice.index))
                 continue
             text = verdict.text
             if verdict.release_held:
-                text += scheduler.release_held(request.stops, detok.flush())
+                text += scheduler.release_held(choice.stops, detok.flush())
             # A copy's prompt was its source's: a job's usage is the sum over its choices.
-            prompt_tokens = len(request.prompt) if request.source is request else 0
-            usage = Usage(prompt_tokens, request.n_generated, request.cached_tokens, request.restored_tokens)
-            self._queue_piece(request, Piece(text, tokens, verdict.finish, usage, logprobs, request.index), last=True)
-            request.phase = None
+            prompt_tokens = len(choice.prompt) if choice.source is choice else 0
+            usage = Usage(prompt_tokens, choice.n_generated, choice.cached_tokens, choice.restored_tokens)
+            self._queue_piece(choice, Piece(text, tokens, verdict.finish, usage, logprobs, choice.index), last=True)
+            choice.phase = None
             self.stats.requests_finished += 1
             self._free_slot(slot, keep_cache=True)
 
-    def _queue_piece(self, request: Request, piece: Piece, *, last: bool = False) -> None:
+    def _queue_piece(self, choice: Choice, piece: Piece, *, last: bool = False) -> None:
         """Queue ``piece`` for ``_hand_out``; its room in the channel is held from now on."""
-        request.sent += 1
-        self._outbox.append((request, piece, last))
+        choice.sent += 1
+        self._outbox.append((choice, piece, last))
 
     def _hand_out(self) -> None:
         """Hand out the queued pieces, each through its reader's sink or its channel."""
         outbox, self._outbox = self._outbox, []
-        for request, piece, last in outbox:
-            request.sent -= 1
-            self._hand_out_one(request, piece)
+        for choice, piece, last in outbox:
+            choice.sent -= 1
+            self._hand_out_one(choice, piece)
             if last:
-                request.finish_choice()
+                choice.finish_choice()
 
-    def _hand_out_one(self, request: Request, item: Piece) -> None:
-        sink = request.sink
+    def _hand_out_one(self, choice: Choice, item: Piece) -> None:
+        sink = choice.sink
         if sink is not None:
             try:
                 if sink(item):
                     return
             except Exception:  # a reader's bug must never stop the engine task
                 logger.exception("direct delivery failed; the job goes on through its channel")
-            request.sink = None
+            choice.sink = None
         try:
-            request.send.send_nowait(item)
-            request.sent += 1
+            choice.send.send_nowait(item)
+            choice.sent += 1
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            request.released = True  # the reader is gone
+            choice.released = True  # the reader is gone
         except trio.WouldBlock:  # pragma: no cover - _plan never schedules a full channel
             logger.error("delivery to a full channel; dropping the job")
-            request.released = True
+            choice.released = True
 
     def _fail_step(self, plan: list[scheduler.PlanEntry], exc: ffi.DecodeError) -> None:
         logger.error("decode failed: %s; ending the %d jobs in that step", exc, len(plan))
         for entry in plan:
-            request = self._slots[entry.slot].request
-            if request is not None:
-                request.end_with(EngineFailure(f"decoding failed: {exc}"))
+            choice = self._slots[entry.slot].choice
+            if choice is not None:
+                choice.end_with(EngineFailure(f"decoding failed: {exc}"))
 
     def _update_stats(self, *, kv: bool = True) -> None:
         stats = self.stats
-        stats.active = sum(1 for s in self._slots if s.request is not None)
+        stats.active = sum(1 for s in self._slots if s.choice is not None)
         stats.queued = len(self._queue)
         if not kv:
             return
@@ -405,7 +405,7 @@ class Engine:
         for slot in self._slots:
             cells = self.context.seq_cells(slot.seq_id)
             used += cells
-            if slot.request is None:
+            if slot.choice is None:
                 cached += cells
         stats.kv_cells_used = used
         stats.kv_cells_cached = cached
@@ -416,9 +416,9 @@ class Engine:
             return
         self._closed = True
         for slot in self._slots:
-            if slot.request is not None and slot.request.sampler is not None:
-                slot.request.sampler.close()
-            slot.request = None
+            if slot.choice is not None and slot.choice.sampler is not None:
+                slot.choice.sampler.close()
+            slot.choice = None
         self._placer.close()
         self._batch.close()
         self.context.close()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import ffi
 
 if TYPE_CHECKING:
-    from server.engine.constraint import Grammar
+    from server.engine.grammar import Grammar
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import ffi
 from server.engine import scheduler
+from server.engine.choice import Choice, Slot
 from server.engine.config import EngineStats
-from server.engine.request import Request, Slot
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama_trio.engine.prompt_cache")
 
 # The pages of a new entry are faulted in by the kernel in one go when it is mapped (Linux),
 # not one fault per page while llama.cpp copies into it: 8 instead of 20 ms per 1k tokens here.
@@ -138,7 +138,7 @@ class Placement:
     ``keep`` of its cells or restore ``restore`` and keep that much of it."""
 
     slot: Slot
-    request: Request | None  # None: the slot goes to a copy (n > 1), which gets the source's cells
+    choice: Choice | None  # None: the slot goes to a copy (n > 1), which gets the source's cells
     keep: int
     save: Entry | None = None  # tokens and scope to save; ``data`` is filled by ``prepare``
     restore: Entry | None = None
@@ -153,31 +153,31 @@ class Placer:
         self.host = HostCache(cache_bytes)
         self.pending: list[Placement] = []
 
-    def place(self, free: list[Slot], request: Request, scope: str) -> Slot:
-        """Take the best of ``free`` for ``request`` (removing it from the list) and set the
-        request's reused tokens. Work that needs the decode thread waits in ``pending``."""
-        prompt = request.prompt
+    def place(self, free: list[Slot], choice: Choice, scope: str) -> Slot:
+        """Take the best of ``free`` for ``choice`` (removing it from the list) and set the
+        choice's reused tokens. Work that needs the decode thread waits in ``pending``."""
+        prompt = choice.prompt
         entry, saved = self.host.lookup(scope, prompt) if self.host.enabled else (None, 0)
         if saved < MIN_RESTORED_TOKENS:
             entry, saved = None, 0
         # Another scope's cache counts as held but never matches: it is only ever evicted.
         cached = [s.cached if s.scope == scope else () for s in free]
         held = [len(s.cached) for s in free]
-        choice = scheduler.pick_slot(cached, held, [s.last_used for s in free], prompt, saved=saved)
-        slot = free.pop(choice.index)
+        pick = scheduler.pick_slot(cached, held, [s.last_used for s in free], prompt, saved=saved)
+        slot = free.pop(pick.index)
         if self.host.enabled and len(prompt) > MIN_SAVED_TOKENS:
-            if choice.restore:
+            if pick.restore:
                 self._stats.prompt_cache_hits += 1
             else:
                 self._stats.prompt_cache_misses += 1
-        self._evict(slot, choice.reuse, request, entry if choice.restore else None)
+        self._evict(slot, pick.reuse, choice, entry if pick.restore else None)
         return slot
 
     def evict(self, slot: Slot) -> None:
         """``slot`` goes to a copy of another choice's cells: what it holds is saved first."""
         self._evict(slot, 0, None, None)
 
-    def _evict(self, slot: Slot, keep: int, request: Request | None, restore: Entry | None) -> None:
+    def _evict(self, slot: Slot, keep: int, choice: Choice | None, restore: Entry | None) -> None:
         """``slot`` keeps its first ``keep`` cells, or ``keep`` of ``restore``'s; what is lost
         is saved when worth it."""
         save = None
@@ -185,37 +185,37 @@ class Placer:
         if kept < len(slot.cached) and self.host.wants(slot.scope, slot.cached):
             save = Entry(slot.scope, list(slot.cached), bytearray())
         if save is None and restore is None:
-            self._cut(slot, request, keep)  # one fast C call
+            self._cut(slot, choice, keep)  # one fast C call
             return
         if restore is not None:
             self.host.touch(restore)
-        self.pending.append(Placement(slot, request, keep, save, restore))
+        self.pending.append(Placement(slot, choice, keep, save, restore))
 
     def prepare(self) -> None:
         """Run the pending placements' C work, and count it. Blocking: call it in the decode
         thread, while the engine task waits."""
         context, stats = self._context, self._stats
         for placement in self.pending:
-            slot, restore, request = placement.slot, placement.restore, placement.request
+            slot, restore, choice = placement.slot, placement.restore, placement.choice
             started = time.perf_counter()
             if placement.save is not None:
                 self._save(slot, placement.save)
                 stats.prompt_cache_save_seconds += time.perf_counter() - started
             if restore is None:
-                self._cut(slot, request, placement.keep)
+                self._cut(slot, choice, placement.keep)
                 continue
             started = time.perf_counter()
             context.seq_rm(slot.seq_id)
             slot.cached.clear()
             if not context.seq_restore(restore.data, slot.seq_id):
-                self._cut(slot, request, 0)
+                self._cut(slot, choice, 0)
                 continue
             slot.cached.extend(restore.tokens)
-            self._cut(slot, request, placement.keep)
+            self._cut(slot, choice, placement.keep)
             stats.prompt_cache_restore_seconds += time.perf_counter() - started
-            if request is not None:
-                request.restored_tokens = request.cached_tokens
-                stats.prompt_cache_tokens_restored += request.cached_tokens
+            if choice is not None:
+                choice.restored_tokens = choice.cached_tokens
+                stats.prompt_cache_tokens_restored += choice.cached_tokens
 
     def _save(self, slot: Slot, entry: Entry) -> None:
         """Copy ``slot``'s state into ``entry`` (left empty when it does not fit the bound or
@@ -236,15 +236,15 @@ class Placer:
             return
         entry.data = data
 
-    def _cut(self, slot: Slot, request: Request | None, keep: int) -> None:
+    def _cut(self, slot: Slot, choice: Choice | None, keep: int) -> None:
         """Keep the first ``keep`` cells of ``slot`` (all go when a partial cut fails) and start
-        ``request`` after them."""
+        ``choice`` after them."""
         if keep < len(slot.cached) and not self._context.seq_rm(slot.seq_id, keep, -1):
             self._context.seq_rm(slot.seq_id)
             keep = 0
         del slot.cached[keep:]
-        if request is not None:
-            request.n_past = request.n_prompt_done = request.cached_tokens = keep
+        if choice is not None:
+            choice.n_past = choice.n_prompt_done = choice.cached_tokens = keep
             self._stats.cached_tokens += keep
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 ``llama_decode``, record what each sequence's KV cells now hold, and sample every sequence
 that produced logits.
 
-It touches only the slots and requests in the plan, which the engine task leaves alone while
+It touches only the slots and choices in the plan, which the engine task leaves alone while
 it waits for the decode thread (``Engine.run``).
 """
 
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ffi
-from server.engine.constraint import GrammarError
+from server.engine.choice import Slot
+from server.engine.grammar import GrammarError
 from server.engine.jobs import ConstraintFailed, TokenLogprob
-from server.engine.request import Slot
 from server.engine.scheduler import PlanEntry
 
 
@@ -33,26 +33,26 @@ def run_step(
     """Blocking: call it in the decode thread. Raises ``ffi.DecodeError`` when llama.cpp
     cannot decode the batch (nothing is then recorded as decoded). A sequence with a grammar
     samples under its mask (``mask`` is scratch memory) and feeds the token to its grammar; a
-    grammar that fails sets the request's ``failure``."""
+    grammar that fails sets the choice's ``failure``."""
     batch.clear()
     to_sample: list[tuple[Slot, int]] = []
     forks: list[tuple[Slot, int]] = []  # prompts that complete now and have copies to make
     for entry in plan:
         slot = slots[entry.slot]
-        request = slot.request
-        assert request is not None
+        choice = slot.choice
+        assert choice is not None
         if entry.prefill:
-            start = request.n_prompt_done
-            chunk = request.prompt[start : start + entry.n_tokens]
-            last = start + entry.n_tokens == len(request.prompt)
-            index = batch.add_run(chunk, request.n_past, slot.seq_id, logits_last=last)
+            start = choice.n_prompt_done
+            chunk = choice.prompt[start : start + entry.n_tokens]
+            last = start + entry.n_tokens == len(choice.prompt)
+            index = batch.add_run(chunk, choice.n_past, slot.seq_id, logits_last=last)
             if last:
                 to_sample.append((slot, index))
-                if request.copies:
+                if choice.copies:
                     forks.append((slot, index))
         else:
-            assert request.pending is not None
-            index = batch.add(request.pending, request.n_past, slot.seq_id, logits=True)
+            assert choice.pending is not None
+            index = batch.add(choice.pending, choice.n_past, slot.seq_id, logits=True)
             to_sample.append((slot, index))
     started = time.perf_counter()
     context.decode(batch)
@@ -60,21 +60,21 @@ def run_step(
     # Bookkeeping of what is now in KV, then sampling.
     for entry in plan:
         slot = slots[entry.slot]
-        request = slot.request
-        assert request is not None
+        choice = slot.choice
+        assert choice is not None
         if entry.prefill:
-            start = request.n_prompt_done
-            slot.cached.extend(request.prompt[start : start + entry.n_tokens])
-            request.n_prompt_done += entry.n_tokens
-            request.n_past += entry.n_tokens
+            start = choice.n_prompt_done
+            slot.cached.extend(choice.prompt[start : start + entry.n_tokens])
+            choice.n_prompt_done += entry.n_tokens
+            choice.n_past += entry.n_tokens
         else:
-            slot.cached.append(request.pending)  # type: ignore[arg-type]
-            request.n_past += 1
-            request.pending = None
+            slot.cached.append(choice.pending)  # type: ignore[arg-type]
+            choice.n_past += 1
+            choice.pending = None
     for source_slot, index in forks:
         # The prompt's other choices start from copies of its cells (llama.cpp copies between
         # KV streams only whole sequences) and sample from the same logits row.
-        source = source_slot.request
+        source = source_slot.choice
         assert source is not None
         for member in source.copies:
             copy = member.slot
@@ -88,25 +88,25 @@ def run_step(
     constrained = 0
     constraint_seconds = 0.0
     for slot, index in to_sample:
-        request = slot.request
-        assert request is not None and request.sampler is not None
-        matcher = request.matcher
-        wanted = request.job.logprobs
+        choice = slot.choice
+        assert choice is not None and choice.sampler is not None
+        matcher = choice.matcher
+        wanted = choice.job.logprobs
         if matcher is None:
-            token = request.sampler.sample(context, index)
+            token = choice.sampler.sample(context, index)
             if wanted is not None:
-                request.logprob = TokenLogprob(token, *_logprobs(context, index, token, wanted))
+                choice.logprob = TokenLogprob(token, *_logprobs(context, index, token, wanted))
             out.append((slot, token))
             continue
         started = time.perf_counter()
         matcher.fill_mask(mask)
-        token = request.sampler.sample(context, index, mask)
+        token = choice.sampler.sample(context, index, mask)
         if wanted is not None:  # the row is masked now: the grammar's distribution
-            request.logprob = TokenLogprob(token, *_logprobs(context, index, token, wanted))
+            choice.logprob = TokenLogprob(token, *_logprobs(context, index, token, wanted))
         try:
             matcher.consume(token)
         except GrammarError as exc:
-            request.failure = ConstraintFailed(f"the output's grammar cannot go on: {exc}")
+            choice.failure = ConstraintFailed(f"the output's grammar cannot go on: {exc}")
         constraint_seconds += time.perf_counter() - started
         constrained += 1
         out.append((slot, token))

@@ -1,2 +1,3 @@
-"""Sockets and process lifetime: the listener, one connection's transport (timeouts, drain,
-close order, unframed writes), and the lifecycle that serves, drains and stops."""
+"""The transport: our listening socket (``listener``) and one connection's transport
+(``connection``: timeouts, half-close, drain, close order, bounded writes and the framing of a
+body chunk). Knows no app, no engine and no process lifetime."""

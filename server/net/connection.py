@@ -33,15 +33,15 @@ only stopped sending: ``on_peer_closed`` tells the response in progress, a strea
 a ping at once (and then every ``PROBE_INTERVAL``), and a client that is gone answers it with a
 reset, which ends the request as a disconnect always did.
 
-``current_connection`` names the connection to the tasks that serve its requests; a streamed
-response uses ``write_nowait`` to write its chunks straight to the socket (the framing, and why
-it is safe, are in ``server/api/streaming.py``). This module frames nothing: it moves bytes.
+The api reaches a connection only through ``transport.Transport`` (``current_transport``):
+a streamed response asks ``body_writer`` for a function that frames one chunk of its body and
+writes it straight to the socket, bypassing Quart, Hypercorn and h11 (``body_writer`` lists the
+invariants that make that safe), and ``on_peer_closed`` tells it of a half-close.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import math
 import os
@@ -58,7 +58,9 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
-logger = logging.getLogger(__name__)
+from server.net.transport import ChunkWriter, current_transport
+
+logger = logging.getLogger("llama_trio.net")
 
 # At a drain, how long a connection that may have a request on its way (no request on it yet,
 # part of a head received, or bytes not yet read) has for its request head before it is closed
@@ -99,12 +101,6 @@ class _HTTP2Refused(Exception):
     """Raised through Hypercorn's protocol when a client starts HTTP/2 with prior knowledge."""
 
 
-# Set in each connection's task; the tasks Hypercorn starts for its requests inherit it.
-current_connection: contextvars.ContextVar[Connection | None] = contextvars.ContextVar(
-    "current_connection", default=None
-)
-
-
 class Connection(TCPServer):
     """``await Connection(app, config, context, state, stream).serve()``.
 
@@ -134,7 +130,7 @@ class Connection(TCPServer):
         self._on_peer_closed: Callable[[], None] | None = None
 
     async def serve(self) -> None:
-        current_connection.set(self)
+        current_transport.set(self)  # the tasks Hypercorn starts for its requests inherit it
         self._idle_since = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._scope = nursery.cancel_scope
@@ -340,10 +336,48 @@ class Connection(TCPServer):
         if callback is not None and self._peer_closed:
             callback()
 
-    @property
-    def writes_nowait(self) -> bool:
-        """Whether ``write_nowait`` can ever succeed (a plain TCP socket)."""
-        return self._socket is not None
+    def body_writer(self) -> ChunkWriter | None:
+        """A function that frames one chunk of the response being sent now as an HTTP/1.1
+        chunk and writes it with ``write_nowait``; None when that response is not a chunked
+        HTTP/1.1 body in progress on a plain TCP socket (``transport.Transport``).
+
+        Writing chunks behind Hypercorn's back is correct because of these invariants:
+
+        1. **h11 keeps no byte count of a chunked body**, only its state (``SEND_BODY``), so
+           chunks framed and written here between two of its own leave that state as valid as
+           before. Hence only a chunked HTTP/1.1 body (``their_http_version == b"1.1"``) in
+           ``SEND_BODY``; an HTTP/1.0 peer (close-delimited body) takes the ordinary path.
+        2. **One writer at a time.** ``write_nowait`` refuses while the send lock is held (a
+           write through Hypercorn in progress) and writes with one non-blocking ``write``, no
+           checkpoint in between, so direct and ordinary writes never interleave.
+        3. **The owed tail.** A chunk the socket takes only in part is still a whole chunk on
+           the wire: its tail goes out ahead of the next write of any kind, and the writer
+           refuses while one is owed.
+        4. **The response is still the caller's.** At every chunk the writer checks that
+           Hypercorn's current stream is the one it was made for (a later request on the
+           connection has another) and that h11 is still in ``SEND_BODY``.
+
+        What the body must hold on its side (it arms the writer only between its own chunks,
+        and ends the body itself) is in ``server/api/streaming.py``.
+        """
+        if self._socket is None:
+            return None
+        protocol = self.protocol.protocol  # Hypercorn's ProtocolWrapper -> H11Protocol
+        if not isinstance(protocol, H11Protocol):
+            return None
+        h11_connection = protocol.connection
+        if not isinstance(h11_connection, h11.Connection) or h11_connection.their_http_version != b"1.1":
+            return None
+        response = protocol.stream  # this request's; a later one on the connection gets another
+        if h11_connection.our_state is not h11.SEND_BODY or response is None:
+            return None
+
+        def write(data: bytes) -> bool:
+            if protocol.stream is not response or h11_connection.our_state is not h11.SEND_BODY or not data:
+                return False
+            return self.write_nowait(b"%x\r\n%b\r\n" % (len(data), data))
+
+        return write
 
     def write_nowait(self, data: bytes) -> bool:
         """Write ``data`` to the socket now, with one non-blocking ``write``, or refuse (False).
@@ -353,7 +387,7 @@ class Connection(TCPServer):
         part of ``data`` and then refuses: what the socket does not take at once is owed, and
         goes out ahead of the connection's next write of any kind. No checkpoint, so nothing
         else can write in between. The bytes bypass Hypercorn's protocol: the caller frames
-        them (``server/api/streaming.py`` says when that is safe).
+        them (``body_writer``).
         """
         fd = self._socket.fileno() if self._socket is not None else -1
         if fd < 0 or self._owed or self.send_lock.locked():

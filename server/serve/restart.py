@@ -30,7 +30,7 @@ import trio
 
 from server.settings import ENV_PREFIX
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama_trio.serve.restart")
 
 # The descriptor of the listening socket (the --fd setting) and of the ready pipe.
 FD_VARIABLE = ENV_PREFIX + "FD"

@@ -12,7 +12,7 @@ On the first SIGTERM or SIGINT:
    error event and ``[DONE]`` (a 503 when not streamed); connections get a moment to write it;
 5. the engine stops, context and model are freed, and ``serve`` returns.
 
-On SIGHUP, a hot restart (``server/net/restart.py``): a new copy of the process starts on the
+On SIGHUP, a hot restart (``server/serve/restart.py``): a new copy of the process starts on the
 same listening socket; once it reports ready, this one hands over: it stops accepting and
 drains as above, except that it refuses nothing it has accepted (its successor serves, so
 queued requests wait for a sequence and a request on a connection already open is answered).
@@ -43,13 +43,13 @@ from hypercorn.utils import wrap_app
 
 from server.api.app import create_app
 from server.engine import ShuttingDown
-from server.net import restart, sdnotify
 from server.net.connection import ARRIVAL_GRACE, Connection
 from server.net.listener import bound_address, bound_port, open_listener
+from server.serve import restart, sdnotify
 from server.settings import Settings
 from server.state import ServerState
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama_trio.serve")
 
 # After the drain deadline, time for connections to write the final error event and [DONE].
 FINAL_WRITE_GRACE = 1.0
@@ -69,7 +69,7 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     config.h11_max_incomplete_size = settings.max_header_size
     config.graceful_timeout = settings.drain_timeout + FINAL_WRITE_GRACE
     config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog = logging.getLogger("llama_trio.hypercorn")
     return config
 
 

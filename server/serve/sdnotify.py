@@ -21,7 +21,7 @@ import socket
 import time
 from collections.abc import Mapping
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llama_trio.serve.sdnotify")
 
 NOTIFY_SOCKET = "NOTIFY_SOCKET"
 

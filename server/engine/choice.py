@@ -1,7 +1,8 @@
-"""One job inside the engine: the engine's state for it (``Request``), the sequence it runs in
-(``Slot``), and the reader its caller iterates (``Pieces``).
+"""One choice of a job inside the engine: its state (``Choice``; a job with ``n`` choices or
+several prompts is several), the sequence it runs in (``Slot``), and the reader its caller
+iterates (``Pieces``).
 
-``Request`` and ``Slot`` are the driver's bookkeeping; only the engine task and, while the task
+``Choice`` and ``Slot`` are the driver's bookkeeping; only the engine task and, while the task
 waits for it, the decode thread touch them. ``Pieces`` is what ``Engine.submit`` hands out.
 """
 
@@ -13,13 +14,13 @@ from collections.abc import Callable, Sequence
 import trio
 
 import ffi
-from server.engine.constraint import Matcher
+from server.engine.grammar import Matcher
 from server.engine.jobs import EngineError, Job, Phase, Piece, PieceSink, TokenLogprob
 from server.engine.scheduler import StopMatcher
 
 
-class Request:
-    """The engine's state for one submitted job, from queue to finish or release."""
+class Choice:
+    """The engine's state for one choice of a submitted job, from queue to finish or release."""
 
     __slots__ = (
         "job",
@@ -58,21 +59,21 @@ class Request:
         job: Job,
         channel_size: int,
         *,
-        lead: Request | None = None,
+        lead: Choice | None = None,
         prompt: Sequence[int] | None = None,
-        source: Request | None = None,
+        source: Choice | None = None,
     ) -> None:
         self.job = job
-        # A job with several choices is one request per choice, one sequence each. The lead
+        # A job with several choices is one ``Choice`` each, one sequence each. The lead
         # (index 0) owns the channel they share and the list of members. Each prompt's first
         # choice (its source) computes it; the others get copies of the source's cells.
         self.lead = lead or self
         self.index = len(lead.members) if lead is not None else 0
-        self.members: list[Request] = [self] if lead is None else []
+        self.members: list[Choice] = [self] if lead is None else []
         self.unfinished = job.n_choices  # (the lead's) choices not finished: the channel closes at 0
         self.prompt = job.prompt if prompt is None else prompt
         self.source = source or self
-        self.copies: list[Request] = []
+        self.copies: list[Choice] = []
         if source is not None:
             source.copies.append(self)
         if lead is None:
@@ -105,10 +106,10 @@ class Request:
         self.logprob: TokenLogprob | None = None  # of the token just sampled, when the job asks
 
     @classmethod
-    def for_job(cls, job: Job, channel_size: int) -> Request:
-        """The requests of ``job``, one per choice (each prompt's choices after its source);
+    def for_job(cls, job: Job, channel_size: int) -> Choice:
+        """The ``Choice``s of ``job``, one per choice (each prompt's choices after its source);
         returns the lead, whose ``members`` holds them all."""
-        lead: Request | None = None
+        lead: Choice | None = None
         for prompt in job.prompts:
             source = None
             for _ in range(job.n):
@@ -138,15 +139,15 @@ class Request:
 
 
 class Slot:
-    """One sequence of the context: what its KV cells hold, and the request using it."""
+    """One sequence of the context: what its KV cells hold, and the choice using it."""
 
-    __slots__ = ("seq_id", "cached", "scope", "request", "last_used")
+    __slots__ = ("seq_id", "cached", "scope", "choice", "last_used")
 
     def __init__(self, seq_id: int) -> None:
         self.seq_id = seq_id
         self.cached: list[int] = []  # tokens whose KV cells this sequence holds, in order
         self.scope = ""  # the cache scope of the job that computed them
-        self.request: Request | None = None
+        self.choice: Choice | None = None
         self.last_used = 0
 
 
@@ -158,9 +159,9 @@ class Pieces:
     until ``submit``'s block is left, which releases it.
     """
 
-    def __init__(self, request: Request, wake_engine: Callable[[], None]) -> None:
-        self._request = request
-        self._members = request.members
+    def __init__(self, choice: Choice, wake_engine: Callable[[], None]) -> None:
+        self._choice = choice
+        self._members = choice.members
         self._wake_engine = wake_engine
 
     def __aiter__(self) -> Pieces:
@@ -174,18 +175,18 @@ class Pieces:
         already written), so that a piece the sink takes can never overtake one taken by
         iteration. Cancellation does not apply (synchronous).
         """
-        request = self._request
-        if request.sent == request.taken and len(self._members) == 1:
-            request.sink = sink
+        choice = self._choice
+        if choice.sent == choice.taken and len(self._members) == 1:
+            choice.sink = sink
 
     async def __anext__(self) -> Piece:
         try:
-            item = await self._request.receive.receive()
+            item = await self._choice.receive.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
-        request = self._members[item.index] if isinstance(item, Piece) else self._request
-        request.taken += 1
-        if request.paused:
+        choice = self._members[item.index] if isinstance(item, Piece) else self._choice
+        choice.taken += 1
+        if choice.paused:
             self._wake_engine()
         if isinstance(item, EngineError):
             raise item
