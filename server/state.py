@@ -2,7 +2,9 @@
 
 One instance per app. ``run_engine`` loads the model, runs the engine until ``stop_engine`` is
 called, then frees both; the lifecycle (or, under the hypercorn CLI, the app's lifespan) runs it
-in a nursery.
+in a nursery. What is fixed once the model is loaded is one frozen ``ModelInfo`` (as llama.cpp's
+server keeps its context metadata); what changes (the serving phase, the engine while it runs)
+is on the state itself.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import pathlib
 import time
+from dataclasses import dataclass
 
 import trio
 
@@ -42,6 +45,17 @@ def _read_template(path: str | None) -> str | None:
         raise TemplateFileError(0, f"cannot read the chat template file {path}: {exc}") from None
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the loaded model is, fixed from its load to its unload."""
+
+    id: str  # what clients call it (``--alias``, else the file's name)
+    created: int  # the process's start (OpenAI's ``created``)
+    name: str | None  # the GGUF's general.name
+    fingerprint: str  # changes when the model or the llama.cpp build does (``system_fingerprint``)
+    template: ffi.ChatTemplate
+
+
 class ServerState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -49,9 +63,7 @@ class ServerState:
         self.model_id = settings.alias or os.path.basename(self.model_path)
         self.created = int(time.time())
         self.engine: Engine | None = None
-        self.template: ffi.ChatTemplate | None = None
-        self.fingerprint = ""
-        self.model_name: str | None = None  # the GGUF's general.name, once loaded
+        self.info: ModelInfo | None = None  # once loaded
         self.embedder: Embedder | None = None
         self._template_source = _read_template(settings.chat_template_file)
         self.draining = False
@@ -106,13 +118,11 @@ class ServerState:
             self.ready.set()
             return
         try:
-            # Changes when the model or the llama.cpp build does (OpenAI's system_fingerprint).
-            self.fingerprint = f"fp_{model.fingerprint()}"
-            self.model_name = model.name
-            self.template = ffi.ChatTemplate(
+            template = ffi.ChatTemplate(
                 self._template_source or model.chat_template,
                 bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else "",
             )
+            self.info = ModelInfo(self.model_id, self.created, model.name, f"fp_{model.fingerprint()}", template)
             config = EngineConfig(
                 n_parallel=s.parallel,
                 n_ctx=s.ctx_size,
@@ -149,6 +159,7 @@ class ServerState:
         finally:
             self.engine = None
             self.embedder = None
+            self.info = None
             model.close()
 
     def _load_model(self) -> ffi.Model:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
@@ -12,16 +11,13 @@ from quart import Response, request
 
 from server.api import logprobs, schema, sse
 from server.api.errors import ApiError
-from server.api.prepare import prepare
+from server.api.prepare import Prepared, prepare
+from server.api.respond import json_response
 from server.api.streaming import streamed_response
 from server.api.tools import call_id, read_answer
 from server.api.trace import Trace, merged_usage, usage_payload
 from server.engine import EngineError, Piece, TokenLogprob, Usage
 from server.state import ServerState
-
-
-def json_response(payload: Any, status: int = 200) -> Response:
-    return Response(json.dumps(payload, ensure_ascii=False), status=status, content_type="application/json")
 
 
 async def complete(state: ServerState, *, chat: bool) -> Response:
@@ -39,17 +35,37 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
         raise
     id_ = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     created = int(time.time())
-    engine = state.engine
-    assert engine is not None
+    model = prepared.model
     if prepared.stream:
-        framer = sse.ChunkFramer(
-            chat=chat, id_=id_, created=created, model=state.model_id, fingerprint=state.fingerprint
+        framer = sse.ChunkFramer(chat=chat, id_=id_, created=created, model=model.id, fingerprint=model.fingerprint)
+        return streamed_response(prepared, framer, trace, state.settings.ping_interval)
+    choices = await _whole_answer(prepared, trace)
+    usage = schema.UsageInfo.model_validate(usage_payload(merged_usage([c.usage for c in choices if c.usage])))
+    head: dict[str, Any] = {"id": id_, "created": created, "model": model.id, "system_fingerprint": model.fingerprint}
+    token_bytes = prepared.engine.vocab.piece
+    if chat:
+        return json_response(_chat_completion(head, choices, usage, prepared, token_bytes))
+    completion_choices = [
+        schema.CompletionChoice(
+            index=index,
+            text=choice.text,
+            finish_reason=choice.finish,
+            logprobs=logprobs.completion_whole(choice.logprobs, token_bytes) if prepared.logprobs else None,
         )
-        return streamed_response(engine, prepared, framer, trace, state.settings.ping_interval)
+        for index, choice in enumerate(choices)
+    ]
+    return json_response(schema.Completion(**head, choices=completion_choices, usage=usage).model_dump())
+
+
+async def _whole_answer(prepared: Prepared, trace: Trace) -> list[_Choice]:
+    """Run the job to its end and collect each choice's pieces.
+
+    *Cancellation*: leaving (the client went away) releases the job.
+    """
     n = prepared.job.n
     choices = [_Choice(prepared.echo[i // n] if prepared.echo else "") for i in range(prepared.job.n_choices)]
     try:
-        async with engine.submit(prepared.job) as pieces:
+        async with prepared.engine.submit(prepared.job) as pieces:
             async for piece in pieces:
                 trace.piece(piece)
                 choices[piece.index].add(piece)
@@ -61,49 +77,30 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
         trace.log()  # cancelled: the client went away
         raise
     trace.log()
-    usage_info = schema.UsageInfo.model_validate(usage_payload(merged_usage([c.usage for c in choices if c.usage])))
-    token_bytes = engine.vocab.piece
-    payload: dict[str, Any]
-    if chat:
-        chat_choices = []
-        for index, choice in enumerate(choices):
-            message, finish = _assistant_message(choice.text, choice.finish, tools=prepared.tools)
-            chat_logprobs = None
-            if prepared.logprobs:
-                content = logprobs.chat_content([t for items, _ in choice.logprobs for t in items], token_bytes)
-                chat_logprobs = {"content": content, "refusal": None}
-            chat_choices.append(
-                schema.ChatChoice(index=index, message=message, finish_reason=finish, logprobs=chat_logprobs)
-            )
-        payload = schema.ChatCompletion(
-            id=id_,
-            created=created,
-            model=state.model_id,
-            system_fingerprint=state.fingerprint,
-            choices=chat_choices,
-            usage=usage_info,
-        ).model_dump()
-        for entry, choice_ in zip(payload["choices"], chat_choices, strict=True):
-            if choice_.message.tool_calls is None:
-                del entry["message"]["tool_calls"]
-    else:
-        payload = schema.Completion(
-            id=id_,
-            created=created,
-            model=state.model_id,
-            system_fingerprint=state.fingerprint,
-            choices=[
-                schema.CompletionChoice(
-                    index=index,
-                    text=choice.text,
-                    finish_reason=choice.finish,
-                    logprobs=logprobs.completion_whole(choice.logprobs, token_bytes) if prepared.logprobs else None,
-                )
-                for index, choice in enumerate(choices)
-            ],
-            usage=usage_info,
-        ).model_dump()
-    return json_response(payload)
+    return choices
+
+
+def _chat_completion(
+    head: dict[str, Any],
+    choices: list[_Choice],
+    usage: schema.UsageInfo,
+    prepared: Prepared,
+    token_bytes: logprobs.TokenBytes,
+) -> dict[str, Any]:
+    chat_choices = []
+    for index, choice in enumerate(choices):
+        message, finish = _assistant_message(choice.text, choice.finish, tools=prepared.tools)
+        chat_logprobs = None
+        if prepared.logprobs:
+            content = logprobs.chat_content([t for items, _ in choice.logprobs for t in items], token_bytes)
+            chat_logprobs = {"content": content, "refusal": None}
+        choice_out = schema.ChatChoice(index=index, message=message, finish_reason=finish, logprobs=chat_logprobs)
+        chat_choices.append(choice_out)
+    payload = schema.ChatCompletion(**head, choices=chat_choices, usage=usage).model_dump()
+    for entry, chat_choice in zip(payload["choices"], chat_choices, strict=True):
+        if chat_choice.message.tool_calls is None:
+            del entry["message"]["tool_calls"]
+    return payload
 
 
 class _Choice:

@@ -7,13 +7,12 @@ import base64
 import struct
 from typing import cast
 
-import trio
 from quart import Response
 
 from server.api import schema
-from server.api.completions import json_response
 from server.api.errors import ApiError
-from server.api.prepare import INLINE_WORK_CHARS, read_json
+from server.api.preflight import off_loop, read_json, ready, refuse_unsupported, tokenizing
+from server.api.respond import json_response
 from server.state import ServerState
 
 
@@ -24,15 +23,12 @@ async def embed(state: ServerState) -> Response:
     waited for.
     """
     req: schema.EmbeddingRequest = await read_json(schema.EmbeddingRequest)
-    refused = req.unsupported()
-    if refused is not None:
-        name = refused[:64]
-        raise ApiError(400, f"{name!r} is not supported by this server", param=name, code="unsupported_parameter")
-    embedder, engine = state.embedder, state.engine
-    if embedder is None or engine is None:
-        if state.settings.embeddings:
-            raise ApiError(503, "the model is still loading", type_="server_error", code="model_loading")
+    refuse_unsupported(req)
+    if not state.settings.embeddings:
         raise ApiError(404, "embeddings are off on this server (start it with --embeddings)", code="not_found")
+    engine, info = ready(state)
+    embedder = state.embedder
+    assert embedder is not None  # made with the engine when --embeddings
     vocab = engine.vocab
     raw = req.input
     texts: list[str] | None = None
@@ -50,8 +46,9 @@ async def embed(state: ServerState) -> Response:
         return [vocab.tokenize(text, add_special=True, parse_special=False) for text in texts]
 
     if texts is not None:
-        work = sum(len(t) for t in texts)
-        inputs = await trio.to_thread.run_sync(tokenize, texts) if work > INLINE_WORK_CHARS else tokenize(texts)
+        strings = texts
+        with tokenizing("input"):
+            inputs = await off_loop(sum(len(t) for t in strings), lambda: tokenize(strings))
     else:
         inputs = [list(tokens) for tokens in ids]
     for i, tokens in enumerate(inputs):
@@ -71,7 +68,7 @@ async def embed(state: ServerState) -> Response:
     ]
     tokens_used = sum(len(t) for t in inputs)
     usage = {"prompt_tokens": tokens_used, "total_tokens": tokens_used}
-    return json_response({"object": "list", "data": data, "model": state.model_id, "usage": usage})
+    return json_response({"object": "list", "data": data, "model": info.id, "usage": usage})
 
 
 def _base64(vector: list[float]) -> str:

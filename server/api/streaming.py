@@ -34,20 +34,19 @@ import trio
 from quart import Response
 
 from server.api import logprobs, sse, tools
+from server.api.errors import ApiError
 from server.api.prepare import Prepared
 from server.api.trace import Trace, merged_usage, usage_payload
-from server.engine import Engine, EngineError, Piece, PieceSink, Usage
+from server.engine import EngineError, Piece, PieceSink, Usage
 from server.net.transport import ChunkWriter, current_transport
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def streamed_response(
-    engine: Engine, prepared: Prepared, framer: sse.ChunkFramer, trace: Trace, ping_interval: float
-) -> Response:
+def streamed_response(prepared: Prepared, framer: sse.ChunkFramer, trace: Trace, ping_interval: float) -> Response:
     """The ``text/event-stream`` response for ``prepared``; its job is submitted when Quart
     starts sending the body."""
-    body = _sse_body(engine, prepared, framer, trace, ping_interval)
+    body = _sse_body(prepared, framer, trace, ping_interval)
     return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -77,7 +76,7 @@ class _Probe:
 
 
 async def _sse_body(
-    engine: Engine, prepared: Prepared, framer: sse.ChunkFramer, trace: Trace, ping_interval: float
+    prepared: Prepared, framer: sse.ChunkFramer, trace: Trace, ping_interval: float
 ) -> AsyncIterator[bytes]:
     """The SSE body. Leaving it for any reason (done, error, the client gone) releases the
     job; it always ends with ``[DONE]`` when it ends by itself. After ``ping_interval`` seconds
@@ -104,7 +103,7 @@ async def _sse_body(
                 yield framer.text(prepared.echo[index // prepared.job.n], index=index)
         try:
             usages: list[Usage] = []
-            async with engine.submit(prepared.job) as pieces:
+            async with prepared.engine.submit(prepared.job) as pieces:
                 # A tool-using answer is translated piece by piece here; others may go directly.
                 # Hypercorn sends the head with the first chunk: only from here on is the body
                 # being sent (for chat; a completion stream has no first chunk yet, so no writer).
@@ -115,7 +114,7 @@ async def _sse_body(
                 if prepared.tools:
                     answer = _ToolAnswer(framer, prepared.tools)
                 elif prepared.logprobs:
-                    answer = _LogprobAnswer(framer, engine.vocab.piece)
+                    answer = _LogprobAnswer(framer, prepared.engine.vocab.piece)
                 else:
                     answer = _TextAnswer(framer)
                 trace.written = trio.current_time()
@@ -150,8 +149,8 @@ async def _sse_body(
                 yield framer.usage(usage_payload(merged_usage(usages)))
         except EngineError as exc:
             trace.ending = exc.code
-            type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
-            yield sse.error_event(str(exc), type_, exc.code)
+            error = ApiError.from_engine(exc, param=prepared.prompt_param)
+            yield sse.error_event(error.message, error.type, error.code, error.param)
         yield sse.DONE
     finally:
         if transport is not None:

@@ -1,0 +1,47 @@
+"""OpenAI's routes: chat completions, completions, embeddings and the model list. Each also
+answers without ``/v1``, for clients whose base URL lacks it.
+
+The completion routes go to ``completions.complete``: ``prepare`` validates the body and makes
+a ``Job``; the answer holds its sequence inside ``async with engine.submit(job)``, and
+Quart-Trio cancels the handler when the client disconnects, which leaves that block and
+releases the sequence.
+"""
+
+from __future__ import annotations
+
+from quart import Blueprint, Response
+
+from server.api import schema
+from server.api.completions import complete
+from server.api.embeddings import embed
+from server.api.respond import current_state, json_response
+
+openai = Blueprint("openai", __name__)
+
+
+@openai.get("/v1/models")
+@openai.get("/models")
+async def models() -> Response:
+    state = current_state()
+    info = state.info
+    meta = schema.ModelMeta(name=info.name) if info is not None and info.name is not None else None
+    card = schema.ModelCard(id=state.model_id, created=state.created, meta=meta)
+    return json_response(schema.ModelList(data=[card]).model_dump(exclude_none=True))
+
+
+@openai.post("/v1/chat/completions")
+@openai.post("/chat/completions")
+async def chat_completions() -> Response:
+    return await complete(current_state(), chat=True)
+
+
+@openai.post("/v1/completions")
+@openai.post("/completions")
+async def completions() -> Response:
+    return await complete(current_state(), chat=False)
+
+
+@openai.post("/v1/embeddings")
+@openai.post("/embeddings")
+async def embeddings() -> Response:
+    return await embed(current_state())
