@@ -10,13 +10,14 @@ from typing import Any
 from quart import Response, request
 
 from server.api import logprobs, schema, sse
+from server.api.collect import Collected, collect
 from server.api.errors import ApiError
+from server.api.openai_stream import OpenAIStream
 from server.api.prepare import Prepared, prepare
 from server.api.respond import json_response
 from server.api.streaming import streamed_response
 from server.api.tools import call_id, read_answer
 from server.api.trace import Trace, merged_usage, usage_payload
-from server.engine import EngineError, Piece, TokenLogprob, Usage
 from server.state import ServerState
 
 
@@ -38,8 +39,8 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
     model = prepared.model
     if prepared.stream:
         framer = sse.ChunkFramer(chat=chat, id_=id_, created=created, model=model.id, fingerprint=model.fingerprint)
-        return streamed_response(prepared, framer, trace, state.settings.ping_interval)
-    choices = await _whole_answer(prepared, trace)
+        return streamed_response(prepared, OpenAIStream(prepared, framer), trace, state.settings.ping_interval)
+    choices = await collect(prepared, trace)
     usage = schema.UsageInfo.model_validate(usage_payload(merged_usage([c.usage for c in choices if c.usage])))
     head: dict[str, Any] = {"id": id_, "created": created, "model": model.id, "system_fingerprint": model.fingerprint}
     token_bytes = prepared.engine.vocab.piece
@@ -57,32 +58,9 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
     return json_response(schema.Completion(**head, choices=completion_choices, usage=usage).model_dump())
 
 
-async def _whole_answer(prepared: Prepared, trace: Trace) -> list[_Choice]:
-    """Run the job to its end and collect each choice's pieces.
-
-    *Cancellation*: leaving (the client went away) releases the job.
-    """
-    n = prepared.job.n
-    choices = [_Choice(prepared.echo[i // n] if prepared.echo else "") for i in range(prepared.job.n_choices)]
-    try:
-        async with prepared.engine.submit(prepared.job) as pieces:
-            async for piece in pieces:
-                trace.piece(piece)
-                choices[piece.index].add(piece)
-    except EngineError as exc:
-        trace.status, trace.ending = exc.status, exc.code
-        trace.log()
-        raise ApiError.from_engine(exc, param=prepared.prompt_param) from None
-    except BaseException:
-        trace.log()  # cancelled: the client went away
-        raise
-    trace.log()
-    return choices
-
-
 def _chat_completion(
     head: dict[str, Any],
-    choices: list[_Choice],
+    choices: list[Collected],
     usage: schema.UsageInfo,
     prepared: Prepared,
     token_bytes: logprobs.TokenBytes,
@@ -101,26 +79,6 @@ def _chat_completion(
         if chat_choice.message.tool_calls is None:
             del entry["message"]["tool_calls"]
     return payload
-
-
-class _Choice:
-    """One choice of a whole answer, as its pieces come."""
-
-    def __init__(self, echo: str = "") -> None:
-        self.texts: list[str] = [echo] if echo else []
-        self.logprobs: list[tuple[tuple[TokenLogprob, ...], str]] = []
-        self.finish = "cancelled"
-        self.usage: Usage | None = None
-
-    def add(self, piece: Piece) -> None:
-        self.texts.append(piece.text)
-        self.logprobs.append((piece.logprobs, piece.text))
-        if piece.finish_reason:
-            self.finish, self.usage = piece.finish_reason, piece.usage
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
 
 
 def _assistant_message(text: str, finish: str, *, tools: str | None) -> tuple[schema.AssistantMessage, str]:
