@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from server.model_files import DefaultModelMissing
     from server.net.listener import ListenError, inherited_socket
-    from server.serve.lifecycle import Server
+    from server.serve.lifecycle import Service
     from server.serve.restart import take_ready_fd
     from server.state import TemplateFileError
 
@@ -39,17 +39,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ready_fd = take_ready_fd(os.environ)  # set when we are a hot restart's new process
     try:
         sock = inherited_socket(settings.fd, os.environ)
-        server = Server(settings, sock, inherited=sock is not None, ready_fd=ready_fd)
+        service = Service(settings, sock, inherited=sock is not None, ready_fd=ready_fd)
     except (ListenError, DefaultModelMissing, TemplateFileError) as exc:
         print(f"llama-trio: {exc}", file=sys.stderr)
         return 2
-    host = server.sock.getsockname()[0]
+    host = service.sock.getsockname()[0]
     if not ipaddress.ip_address(host).is_loopback and not settings.api_keys():
         logging.getLogger("llama_trio").warning(
             "listening on %s without an API key: anyone who can reach it may use it", host
         )
-    trio.run(server.serve)
-    if server.state.load_failed is not None:
+    trio.run(service.serve)
+    if service.state.load_failed is not None:
         return 1
     return 0
 

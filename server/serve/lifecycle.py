@@ -73,8 +73,8 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     return config
 
 
-class Server:
-    """One serving process: ``await Server(settings).serve()``.
+class Service:
+    """One serving process: ``await Service(settings).serve()``.
 
     ``sock``: a listening socket to serve instead of opening one; ``inherited`` when it was
     handed to this process (see the module's docstring). ``ready_fd``: the pipe on which a hot
@@ -342,4 +342,4 @@ def _task_tree(task: trio.lowlevel.Task | None, depth: int = 0) -> str:
 
 
 async def serve(settings: Settings) -> None:
-    await Server(settings).serve()
+    await Service(settings).serve()
