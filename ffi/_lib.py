@@ -55,12 +55,14 @@ class ProgressReporter:
         self.what = what
         self.logger = logger
         self.aborted = False
+        self.progress = 0.0  # the last fraction reported, 0 to 1
         self._last_decile = -1
 
     def abort(self) -> None:
         self.aborted = True
 
     def report(self, progress: float) -> bool:
+        self.progress = progress
         decile = int(progress * 4)
         if decile != self._last_decile:
             self._last_decile = decile

@@ -24,6 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import trio
 
     from server.model_files import DefaultModelMissing
+    from server.models.specs import ModelSpecError
     from server.net.listener import ListenError, inherited_socket
     from server.serve.lifecycle import Service
     from server.serve.restart import take_ready_fd
@@ -40,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sock = inherited_socket(settings.fd, os.environ)
         service = Service(settings, sock, inherited=sock is not None, ready_fd=ready_fd)
-    except (ListenError, DefaultModelMissing, TemplateFileError) as exc:
+    except (ListenError, DefaultModelMissing, TemplateFileError, ModelSpecError) as exc:
         print(f"llama-trio: {exc}", file=sys.stderr)
         return 2
     host = service.sock.getsockname()[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -76,8 +77,54 @@ class _EngineCollector(Collector):
         yield cancels
 
 
+@dataclass(frozen=True)
+class ModelRow:
+    """One configured model's gauges: what a load balancer (the Gateway API Inference
+    Extension's endpoint picker, for one) reads to pick a replica."""
+
+    model: str
+    loaded: bool
+    waiting: int  # requests waiting for a sequence, or for the model to load
+    running: int  # sequences prefilling or generating
+    kv_usage: float  # KV cache cells in use, as a fraction of the context (0 to 1)
+
+
+class _ModelCollector(Collector):
+    """Reads each configured model's gauges at scrape time (labels: the configured ids)."""
+
+    def __init__(self, rows: Callable[[], list[ModelRow]]) -> None:
+        self._rows = rows
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {
+            "loaded": GaugeMetricFamily("llama_trio_model_loaded", "1 while the model is loaded", labels=["model"]),
+            "waiting": GaugeMetricFamily(
+                "llama_trio_model_requests_waiting",
+                "requests waiting for a sequence or for the model's load",
+                labels=["model"],
+            ),
+            "running": GaugeMetricFamily(
+                "llama_trio_model_requests_running", "sequences prefilling or generating", labels=["model"]
+            ),
+            "kv_usage": GaugeMetricFamily(
+                "llama_trio_model_kv_cache_usage_ratio",
+                "KV cache cells in use as a fraction of the model's context (0 to 1)",
+                labels=["model"],
+            ),
+        }
+        for row in self._rows():
+            for name, family in families.items():
+                family.add_metric([row.model], float(getattr(row, name)))
+        yield from families.values()
+
+
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats | None], draining: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats | None],
+        draining: Callable[[], bool],
+        models: Callable[[], list[ModelRow]] = list,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "llama_trio_requests",
@@ -98,6 +145,7 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(stats, draining))
+        self.registry.register(_ModelCollector(models))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

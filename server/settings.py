@@ -23,7 +23,13 @@ def _default_threads() -> int:
 
 @dataclass(frozen=True)
 class Settings:
-    model: str | None = None  # None: the embedded default model
+    model: tuple[str, ...] = ()  # PATH, or ID=PATH (repeatable); none: the embedded default model
+    models_dir: str | None = None
+    models_preset: str | None = None
+    models_max: int | None = None  # models loaded at once; None: no bound
+    models_max_mb: int | None = None  # MiB of model files loaded at once; None: no bound
+    models_load_timeout: float = 300.0
+    sleep_idle_seconds: float | None = None  # None: never unload an idle model
     host: str = "127.0.0.1"
     port: int = 8080
     parallel: int = 4
@@ -64,7 +70,19 @@ class Settings:
 
 
 _HELP = {
-    "model": "GGUF model file (default: the embedded SmolLM2-135M-Instruct)",
+    "model": (
+        "GGUF model file (default: the embedded SmolLM2-135M-Instruct); repeat as ID=PATH to serve several, "
+        "picked per request by `model`"
+    ),
+    "models_dir": "serve every *.gguf in this folder (id: the file name without .gguf; split GGUFs once)",
+    "models_preset": (
+        "TOML or INI file with a [model-id] section per model: model = PATH, aliases, load_on_start, and "
+        "ctx_size, parallel, batch_size, threads, chat_template_file, embeddings, pooling, max_queue for it"
+    ),
+    "models_max": "models loaded at once; loading one more unloads the least recently used idle one",
+    "models_max_mb": "MiB of model files loaded at once (as --models-max)",
+    "models_load_timeout": "seconds a request waits for its model to load (or for room to load it) before 503",
+    "sleep_idle_seconds": "unload a model that no request has used for this long (loaded again on demand)",
     "host": "address to listen on (:: for IPv6 and IPv4)",
     "port": "TCP port",
     "parallel": "sequences decoded together (concurrent requests)",
@@ -119,10 +137,14 @@ def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
 def _kind(name: str) -> type:
     defaults = Settings()
     value = getattr(defaults, name)
-    if name in {"model", "alias", "api_key_file", "chat_template_file", "pooling"}:
+    if name == "model":
+        return tuple
+    if name in {"alias", "api_key_file", "chat_template_file", "pooling", "models_dir", "models_preset"}:
         return str
-    if name in {"max_tokens", "fd"}:
+    if name in {"max_tokens", "fd", "models_max", "models_max_mb"}:
         return int
+    if name == "sleep_idle_seconds":
+        return float
     return type(value)
 
 
@@ -174,6 +196,14 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error("--cache-ram must be 0 (off) or a number of MiB")
     if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
         parser.error("--ping-interval must be a positive number of seconds")
+    for name in ("models_max", "models_max_mb"):
+        value = getattr(settings, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not settings.models_load_timeout > 0:
+        parser.error("--models-load-timeout must be a positive number of seconds")
+    if settings.sleep_idle_seconds is not None and not settings.sleep_idle_seconds > 0:
+        parser.error("--sleep-idle-seconds must be a positive number of seconds")
     return settings
 
 

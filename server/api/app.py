@@ -35,17 +35,17 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
     app.register_blueprint(ops)
     app.register_blueprint(openai)
     if owns_engine:
-        _run_engine_in_lifespan(app, state)
+        _run_models_in_lifespan(app, state)
     return app
 
 
-def _run_engine_in_lifespan(app: QuartTrio, state: ServerState) -> None:
+def _run_models_in_lifespan(app: QuartTrio, state: ServerState) -> None:
     @app.before_serving
-    async def start_engine() -> None:
-        await app.nursery.start(state.run_engine)
+    async def start_models() -> None:
+        await app.nursery.start(state.run_models)
 
     @app.after_serving
-    async def stop_engine() -> None:
+    async def stop_models() -> None:
         # Hypercorn has closed its connections by now (see docs/lifecycle.md).
         state.draining = True
-        state.stop_engine()
+        state.stop_models()

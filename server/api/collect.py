@@ -48,5 +48,7 @@ async def collect(prepared: Prepared, trace: Trace) -> list[Collected]:
     except BaseException:
         trace.log()  # cancelled: the client went away
         raise
+    finally:
+        prepared.lease.release()
     trace.log()
     return choices

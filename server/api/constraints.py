@@ -14,7 +14,7 @@ import trio
 from server.api import schema, tools
 from server.api.errors import ApiError
 from server.engine.grammar import Grammar, GrammarError, GrammarKind
-from server.state import ServerState
+from server.models.runtime import ModelRuntime
 
 # A function without parameters takes an empty object.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -71,7 +71,7 @@ def _specs(req: schema.ChatCompletionRequest) -> list[tools.ToolSpec]:
     ]
 
 
-async def output_grammar(state: ServerState, req: schema.CommonFields, use: ToolUse | None) -> Grammar | None:
+async def output_grammar(model: ModelRuntime, req: schema.CommonFields, use: ToolUse | None) -> Grammar | None:
     """The grammar the output must follow, compiled (or from the cache), or None.
 
     *Cancellation*: a compile in progress is waited for, never abandoned.
@@ -83,18 +83,18 @@ async def output_grammar(state: ServerState, req: schema.CommonFields, use: Tool
     if len(source) > schema.MAX_GRAMMAR_CHARS:
         message = f"the grammar is larger than {schema.MAX_GRAMMAR_CHARS} characters"
         raise ApiError(400, message, param=param, code="invalid_value")
-    grammars = await state.grammars()
+    grammars = await model.grammars()
     try:
         return await trio.to_thread.run_sync(grammars.compile, kind, source)
     except GrammarError as exc:
         if isinstance(req, schema.ChatCompletionRequest) and param == "tools":
-            param = await _bad_tool(state, req) or param
+            param = await _bad_tool(model, req) or param
         raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
 
 
-async def _bad_tool(state: ServerState, req: schema.ChatCompletionRequest) -> str | None:
+async def _bad_tool(model: ModelRuntime, req: schema.ChatCompletionRequest) -> str | None:
     """The first tool whose parameters do not compile on their own, as a param path."""
-    grammars = await state.grammars()
+    grammars = await model.grammars()
     for i, tool in enumerate(req.tools or ()):
         try:
             await trio.to_thread.run_sync(grammars.compile, "json_schema", _compact(tool.function.parameters or {}))

@@ -11,8 +11,9 @@ from quart import Response
 
 from server.api import schema
 from server.api.errors import ApiError
-from server.api.preflight import off_loop, read_json, ready, refuse_unsupported, tokenizing
+from server.api.preflight import model_lease, off_loop, read_json, refuse_unsupported, resolve, tokenizing
 from server.api.respond import json_response
+from server.models.registry import Lease
 from server.state import ServerState
 
 
@@ -24,10 +25,17 @@ async def embed(state: ServerState) -> Response:
     """
     req: schema.EmbeddingRequest = await read_json(schema.EmbeddingRequest)
     refuse_unsupported(req)
-    if not state.settings.embeddings:
+    if not resolve(state, req.model).settings.embeddings:
         raise ApiError(404, "embeddings are off on this server (start it with --embeddings)", code="not_found")
-    engine, info = ready(state)
-    embedder = state.embedder
+    lease = await model_lease(state, req.model)
+    try:
+        return await _embed(req, lease)
+    finally:
+        lease.release()
+
+
+async def _embed(req: schema.EmbeddingRequest, lease: Lease) -> Response:
+    engine, info, embedder = lease.engine, lease.info, lease.runtime.embedder
     assert embedder is not None  # made with the engine when --embeddings
     vocab = engine.vocab
     raw = req.input

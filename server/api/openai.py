@@ -22,11 +22,23 @@ openai = Blueprint("openai", __name__)
 @openai.get("/v1/models")
 @openai.get("/models")
 async def models() -> Response:
-    state = current_state()
-    info = state.info
-    meta = schema.ModelMeta(name=info.name) if info is not None and info.name is not None else None
-    card = schema.ModelCard(id=state.model_id, created=state.created, meta=meta)
-    return json_response(schema.ModelList(data=[card]).model_dump(exclude_none=True))
+    registry = current_state().models
+    cards = []
+    for spec in registry.specs:
+        runtime = registry.runtime(spec.id)
+        status = schema.ModelStatus(value="unloaded")
+        meta = None
+        if runtime is not None:
+            status = schema.ModelStatus(value=runtime.status)  # type: ignore[arg-type]
+            if runtime.status == "loading":
+                status.progress = round(runtime.progress, 3)
+            elif runtime.failed is not None:
+                status.error = str(runtime.failed)
+            if runtime.info is not None and runtime.info.name is not None and runtime.engine is not None:
+                meta = schema.ModelMeta(name=runtime.info.name)
+        aliases = list(spec.aliases) or None
+        cards.append(schema.ModelCard(id=spec.id, created=registry.created, aliases=aliases, status=status, meta=meta))
+    return json_response(schema.ModelList(data=cards).model_dump(exclude_none=True))
 
 
 @openai.post("/v1/chat/completions")

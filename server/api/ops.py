@@ -1,12 +1,17 @@
 """The operators' routes: ``/health`` (the serving phase, for load balancers and orchestrators;
-needs no API key) and ``/metrics`` (Prometheus)."""
+needs no API key), ``/metrics`` (Prometheus), and ``POST /models/load`` and ``/models/unload``
+(``{"model": ID}``)."""
 
 from __future__ import annotations
 
 from quart import Blueprint, Response
 
+from server.api import schema
+from server.api.errors import ApiError
+from server.api.preflight import model_lease, read_json, resolve
 from server.api.respond import current_state, json_response
 from server.metrics import CONTENT_TYPE
+from server.models.registry import ModelBusy
 
 PUBLIC = frozenset(["/health"])  # paths that need no API key
 
@@ -20,7 +25,7 @@ async def health() -> Response:
         status, code = "draining", 503
     elif state.load_failed is not None:
         status, code = "model_load_failed", 503
-    elif state.engine is None:
+    elif not state.ready.is_set():
         status, code = "loading", 503
     else:
         status, code = "ok", 200
@@ -30,3 +35,33 @@ async def health() -> Response:
 @ops.get("/metrics")
 async def metrics() -> Response:
     return Response(current_state().metrics.render(), content_type=CONTENT_TYPE)
+
+
+class ModelAction(schema.StrictRequest):
+    model: str
+
+
+@ops.post("/models/load")
+async def load_model() -> Response:
+    """Load a model now and answer once it serves (an operator's preload; behind the API key).
+
+    *Cancellation*: the wait ends; the load goes on.
+    """
+    state = current_state()
+    req: ModelAction = await read_json(ModelAction)
+    lease = await model_lease(state, req.model)
+    lease.release()
+    return json_response({"model": lease.spec.id, "status": "loaded"})
+
+
+@ops.post("/models/unload")
+async def unload_model() -> Response:
+    """Unload a model now; a 409 while requests hold it (never unloaded from under them)."""
+    state = current_state()
+    req: ModelAction = await read_json(ModelAction)
+    spec = resolve(state, req.model)
+    try:
+        unloaded = state.models.unload(spec.id)
+    except ModelBusy as exc:
+        raise ApiError(409, str(exc), param="model", code="model_busy") from None
+    return json_response({"model": spec.id, "status": "unloading" if unloaded else "unloaded"})

@@ -1,6 +1,7 @@
 """The checks every route makes before any work, in one place: the body read and validated
 (``read_json``), fields this server does not do refused (``refuse_unsupported``), the serving
-phase (``ready``: draining, loading or failed is a 503 with ``Retry-After``), and text turned
+phase (``model_lease``: the model a request names, loaded on demand; draining, loading or failed
+is a 503 with ``Retry-After``), and text turned
 into tokens with every way it can be bad mapped to a 400 (``tokenizing``, ``off_loop``).
 
 Each dialect (OpenAI chat and completions, embeddings, and the routes that come) parses into
@@ -20,8 +21,10 @@ from quart import request
 
 import ffi
 from server.api.errors import ApiError, param_from_loc
-from server.engine import Engine, ShuttingDown
-from server.state import ModelInfo, ServerState
+from server.engine import ShuttingDown
+from server.models.registry import Lease, ModelNotFound, ModelUnavailable
+from server.models.specs import ModelSpec
+from server.state import ServerState
 
 # Bodies larger than this are parsed and validated in a worker thread (json.loads and pydantic
 # take about 1 ms per 40 KB here).
@@ -79,17 +82,33 @@ def refuse_unsupported(req: Refusable) -> None:
         raise ApiError(400, f"{name!r} is not supported by this server", param=name, code="unsupported_parameter")
 
 
-def ready(state: ServerState) -> tuple[Engine, ModelInfo]:
-    """The running engine and the loaded model's info, or the 503 that says why not (with
-    ``Retry-After``): draining, still loading, or the load failed."""
+async def model_lease(state: ServerState, name: str | None) -> Lease:
+    """A lease on the model a request names (its ``model``), loaded on demand; or the answer
+    that says why not: 404 ``model_not_found``, or a 503 with ``Retry-After`` (draining, still
+    starting, the model's load failed or took too long, no room to load it).
+
+    The caller releases the lease when its answer ends (``Lease.release``).
+
+    *Cancellation*: the wait for a load ends; the load goes on for other requests.
+    """
     if state.draining:
         raise ApiError.from_engine(ShuttingDown("server is shutting down"))
-    engine, info = state.engine, state.info
     if state.load_failed is not None:
         raise ApiError.unavailable("the model failed to load", code="model_load_failed")
-    if engine is None or info is None:
+    if not state.ready.is_set():  # starting: /health says so too; a proxy retries elsewhere
         raise ApiError.unavailable("the model is still loading", code="model_loading")
-    return engine, info
+    try:
+        return await state.models.acquire(resolve(state, name).id)
+    except ModelUnavailable as exc:
+        raise ApiError.unavailable(str(exc), code=exc.code) from None
+
+
+def resolve(state: ServerState, name: str | None) -> ModelSpec:
+    """The model a request names (by id or alias), or a 404 ``model_not_found``."""
+    try:
+        return state.models.resolve(name)
+    except ModelNotFound as exc:
+        raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
 
 @contextlib.contextmanager

@@ -16,9 +16,10 @@ import ffi
 from server.api import schema, tools
 from server.api.constraints import ToolUse, output_grammar, tool_use
 from server.api.errors import ApiError
-from server.api.preflight import CHARS_PER_MESSAGE, off_loop, read_json, ready, refuse_unsupported, tokenizing
+from server.api.preflight import CHARS_PER_MESSAGE, model_lease, off_loop, read_json, refuse_unsupported, tokenizing
 from server.api.prompt import chat_tokens, text_tokens
 from server.engine import Engine, Job
+from server.models.registry import Lease
 from server.state import ModelInfo, ServerState
 
 logger = logging.getLogger("llama_trio.api")
@@ -35,6 +36,7 @@ class Prepared:
     """A validated request, ready for the engine."""
 
     job: Job
+    lease: Lease  # its hold on the model, released when its answer ends
     engine: Engine  # the engine it was prepared for
     model: ModelInfo  # the model it was prepared for
     stream: bool
@@ -104,9 +106,22 @@ async def prepare_request(state: ServerState, req: schema.ChatCompletionRequest 
     *Cancellation*: safe at any point; a render or tokenization running in a worker thread
     (it holds the vocabulary) is waited for, never abandoned.
     """
-    chat = isinstance(req, schema.ChatCompletionRequest)
     refuse_unsupported(req)
-    engine, info = ready(state)
+    lease = await model_lease(state, req.model)
+    try:
+        prepared = await _prepare(state, req, lease)
+    except BaseException:
+        lease.release()
+        raise
+    lease.release_with(prepared)  # at the latest; the answer releases it when it ends
+    return prepared
+
+
+async def _prepare(
+    state: ServerState, req: schema.ChatCompletionRequest | schema.CompletionRequest, lease: Lease
+) -> Prepared:
+    chat = isinstance(req, schema.ChatCompletionRequest)
+    engine, info, parallel = lease.engine, lease.info, lease.spec.settings.parallel
     param = "messages" if chat else "prompt"
     prompt = _prompt(req, engine, info)
     with tokenizing(param):
@@ -114,9 +129,9 @@ async def prepare_request(state: ServerState, req: schema.ChatCompletionRequest 
     if not all(all_tokens):
         raise ApiError(400, "the prompt is empty", param=param, code="invalid_value")
     n = req.n or 1
-    if n * len(all_tokens) > state.settings.parallel:
+    if n * len(all_tokens) > parallel:
         what = f"n is {n}" if len(all_tokens) == 1 else f"{len(all_tokens)} prompts x n {n}"
-        message = f"{what}; this server decodes at most {state.settings.parallel} sequences at once (--parallel)"
+        message = f"{what}; this server decodes at most {parallel} sequences at once (--parallel)"
         raise ApiError(400, message, param="n" if len(all_tokens) == 1 else "prompt", code="invalid_value")
     max_tokens, ceiling = prompt.max_tokens, state.settings.max_tokens
     if ceiling is not None:
@@ -129,7 +144,7 @@ async def prepare_request(state: ServerState, req: schema.ChatCompletionRequest 
         max_tokens=max_tokens,
         stop=req.stop_list(),
         cache_scope=cache_scope(req.cache_salt),
-        grammar=await output_grammar(state, req, prompt.use),
+        grammar=await output_grammar(lease.runtime, req, prompt.use),
         logprobs=logprobs,
         n=n,
         streamed=req.stream,
@@ -143,6 +158,7 @@ async def prepare_request(state: ServerState, req: schema.ChatCompletionRequest 
         scheme = "native" if use.native else "generic"
     return Prepared(
         job,
+        lease,
         engine,
         info,
         req.stream,

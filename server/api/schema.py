@@ -42,6 +42,12 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
+class StrictRequest(BaseModel):
+    """A request body with no fields but its own (an unknown one is a 400)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
 class TextPart(_Request):
     type: Literal["text"]
     text: str
@@ -348,11 +354,19 @@ class ModelMeta(BaseModel):
     name: str  # general.name (the file's name without .gguf when it has none)
 
 
+class ModelStatus(BaseModel):
+    value: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+    progress: float | None = None  # while loading, 0 to 1
+    error: str | None = None  # when the last load failed
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int  # when this server process started (a hot restart's new process: later)
     owned_by: str = "llama-trio"
+    aliases: list[str] | None = None  # other names a request's ``model`` may use
+    status: ModelStatus
     meta: ModelMeta | None = None  # once the model is loaded
 
 

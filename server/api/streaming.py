@@ -150,6 +150,7 @@ async def _sse_body(
         for event in closing:
             yield event
     finally:
+        prepared.lease.release()
         if transport is not None:
             transport.on_peer_closed(None)
         trace.log()

@@ -149,7 +149,7 @@ class Service:
                 root.start_soon(self._watch_signals)
                 await root.start(lifespan.handle_lifespan)
                 await lifespan.wait_for_startup()
-                await root.start(self.state.run_engine)
+                await root.start(self.state.run_models)
                 root.start_soon(self._stop_if_load_fails)
                 logger.info(
                     "listening on http://%s%s",
@@ -180,18 +180,17 @@ class Service:
                         self._refuse_queued()
                     root.start_soon(self._drain_deadline, connections.cancel_scope)
                 root.cancel_scope.cancel()  # the deadline watcher and the signal watcher
-                self.state.stop_engine()
+                self.state.stop_models()
                 await lifespan.wait_for_shutdown()
         finally:
             await listener.aclose()
-            self.state.stop_engine()
+            self.state.stop_models()
         logger.info("stopped")
 
     def _refuse_queued(self) -> None:
         """No new jobs; queued ones end now with a 503 that a proxy may retry elsewhere, except
         streams, whose answer has begun: they keep their place and run within the drain."""
-        engine = self.state.engine
-        if engine is not None:
+        for engine in self.state.engines():
             engine.stop_admitting()
             engine.fail_queued(ShuttingDown("server is shutting down"), keep_streamed=True)
 
@@ -263,8 +262,7 @@ class Service:
         with trio.move_on_after(self.settings.drain_timeout):
             await self._force.wait()
         logger.info("drain deadline reached: ending the remaining requests")
-        engine = self.state.engine
-        if engine is not None:
+        for engine in self.state.engines():
             engine.abort_all(ShuttingDown("server is shutting down"))
         deadline = trio.current_time() + FINAL_WRITE_GRACE
         connections.deadline = deadline
