@@ -76,7 +76,7 @@ $(VENV)/.bench: pyproject.toml | $(VENV)/.installed
 # scenario (prompt cache beyond the sequences; CHATS_ARGS="--runs 3") to bench/results/chats.*.
 bench: setup $(VENV)/.bench
 	PYTHON=$(PY) vendor/build.sh llama-server
-	$(PY) -m bench.server $(BENCH_ARGS)
+	$(PY) -m bench.serving $(BENCH_ARGS)
 	$(PY) -m bench.chats $(CHATS_ARGS)
 
 lint: setup
