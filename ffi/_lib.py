@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 
 try:
     from ffi._llama import ffi, lib
@@ -18,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build state
         f"reinstall llama-trio: {exc}"
     ) from exc
 
-__all__ = ["ffi", "lib", "ProgressReporter"]
+__all__ = ["ffi", "lib", "ProgressReporter", "log_lines"]
 
 log = logging.getLogger("llama_trio.llama_cpp")
 
@@ -43,9 +45,25 @@ def _llama_trio_log(level: int, text: object, _user_data: object) -> None:
     buf = getattr(_pending, "buf", "") + chunk
     lines = buf.split("\n")
     _pending.buf = lines.pop()
+    tap = getattr(_pending, "tap", None)
     for line in lines:
         if line.strip():
+            if tap is not None:
+                tap.append(line.rstrip())
             log.log(getattr(_pending, "level", logging.DEBUG), "%s", line.rstrip())
+
+
+@contextlib.contextmanager
+def log_lines() -> Iterator[list[str]]:
+    """Every line llama.cpp logs from this thread inside the block, at any level (debug lines
+    too, whatever the logger lets through), in the list it yields."""
+    previous = getattr(_pending, "tap", None)
+    lines: list[str] = []
+    _pending.tap = lines
+    try:
+        yield lines
+    finally:
+        _pending.tap = previous
 
 
 class ProgressReporter:

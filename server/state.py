@@ -24,6 +24,7 @@ from server.engine.embedder import Embedder, open_embedder
 from server.engine.grammar import GrammarCache, build_tokenizer
 from server.metrics import Metrics
 from server.model_files import default_model_path
+from server.offload import DeviceUse, attention, describe, device_uses, load_model
 from server.settings import Settings
 
 logger = logging.getLogger("llama_trio.state")
@@ -54,6 +55,7 @@ class ModelInfo:
     name: str | None  # the GGUF's general.name
     fingerprint: str  # changes when the model or the llama.cpp build does (``system_fingerprint``)
     template: ffi.ChatTemplate
+    devices: tuple[DeviceUse, ...] = ()  # what llama.cpp found, with the layers each holds
 
 
 class ServerState:
@@ -110,8 +112,8 @@ class ServerState:
         s = self.settings
         started = time.monotonic()
         try:
-            model = await trio.to_thread.run_sync(self._load_model)
-        except ffi.ModelLoadError as exc:
+            model, devices = await trio.to_thread.run_sync(self._load_model)
+        except (ffi.ModelLoadError, ffi.BackendError) as exc:
             if not self._stop.is_set():
                 logger.error("%s", exc)
                 self.load_failed = exc
@@ -122,7 +124,9 @@ class ServerState:
                 self._template_source or model.chat_template,
                 bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else "",
             )
-            self.info = ModelInfo(self.model_id, self.created, model.name, f"fp_{model.fingerprint()}", template)
+            self.info = ModelInfo(
+                self.model_id, self.created, model.name, f"fp_{model.fingerprint()}", template, devices
+            )
             config = EngineConfig(
                 n_parallel=s.parallel,
                 n_ctx=s.ctx_size,
@@ -130,6 +134,7 @@ class ServerState:
                 n_threads=s.threads,
                 max_queue=s.max_queue,
                 cache_bytes=s.cache_ram * 1024 * 1024,
+                attention=attention(s),
             )
             async with contextlib.AsyncExitStack() as stack:
                 engine = await stack.enter_async_context(open_engine(model, config))
@@ -142,6 +147,7 @@ class ServerState:
                             n_seq_max=s.parallel,
                             n_threads=s.threads,
                             pooling=s.pooling,
+                            attention=config.attention,
                         )
                     )
                 self.engine = engine
@@ -162,14 +168,16 @@ class ServerState:
             self.info = None
             model.close()
 
-    def _load_model(self) -> ffi.Model:
-        model = ffi.Model(self.model_path, progress=self._progress)
+    def _load_model(self) -> tuple[ffi.Model, tuple[DeviceUse, ...]]:
+        model = load_model(self.settings, self.model_path, self._progress)
         try:
             # One pass over the vocabulary each, here in the loading thread rather than on the
             # event loop at the first request that needs them.
             model.vocab.control_pattern  # noqa: B018
             model.vocab.eog_tokens  # noqa: B018
+            devices = device_uses(model)
+            logger.info("%s", describe(model, devices))
         except BaseException:
             model.close()
             raise
-        return model
+        return model, devices

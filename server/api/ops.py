@@ -3,6 +3,8 @@ needs no API key) and ``/metrics`` (Prometheus)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from quart import Blueprint, Response
 
 from server.api.respond import current_state, json_response
@@ -24,7 +26,10 @@ async def health() -> Response:
         status, code = "loading", 503
     else:
         status, code = "ok", 200
-    return json_response({"status": status}, code)
+    body: dict[str, object] = {"status": status}
+    if state.info is not None:  # the devices llama.cpp found, and the model's layers on each
+        body["devices"] = [dataclasses.asdict(d) for d in state.info.devices]
+    return json_response(body, code)
 
 
 @ops.get("/metrics")
