@@ -77,6 +77,7 @@ def run_side(side: str, args: argparse.Namespace, banned: list[int], logs: pathl
                 return {"startup_s": startup, **await measure_side(session, args)}
 
             result = trio.run(go)
+            result["gpu_memory_mib"] = _gpu_memory_mib(proc.pid)
         finally:
             proc.terminate()
             try:
@@ -85,8 +86,26 @@ def run_side(side: str, args: argparse.Namespace, banned: list[int], logs: pathl
                 proc.kill()
                 proc.wait()
     text = log_path.read_text(errors="replace")
-    result["placement"] = [line.strip() for line in text.splitlines() if "offloaded" in line][:2]
+    result["placement"] = [line.strip() for line in text.splitlines() if "layers offloaded" in line][:1]
     return result
+
+
+def _gpu_memory_mib(pid: int) -> int | None:
+    """GPU memory the process holds, as nvidia-smi sees it (None: no nvidia-smi or not listed)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for row in out.splitlines():
+        fields = [f.strip() for f in row.split(",")]
+        if len(fields) == 2 and fields[0] == str(pid) and fields[1].isdigit():
+            return int(fields[1])
+    return None
 
 
 def summarise(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -126,15 +145,17 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, info: dict[str, 
         f"{info['llama_cpp']} built with {info['cmake_args']}; {info['build']}.",
         "",
         f"Median (min-max) of {args.runs} runs per side, alternating (ABBA), one fresh server per run; "
-        f"{args.parallel} sequences x {args.per_seq} cells, every layer on the GPU (-ngl {args.ngl}), "
+        f"{args.parallel} sequences x {args.per_seq} cells, "
+        f"{'everything on the CPU' if args.ngl == '0' else 'every layer on the GPU'} (-ngl {args.ngl}), "
         f"{args.threads} threads, batch 512; streamed chat at temperature 0, 128 tokens per request "
         f"({args.waves} per stream) for tok/s, 16 for TTFT. Ratios above 1 are better for tok/s, below 1 for the rest.",
         "",
         table,
         "",
-        "Where the layers went (from each server's log, first run):",
+        "Where the layers went: GPU memory each server held (nvidia-smi), and our start-up log's line:",
         "",
-        *[f"- {side}: {'; '.join(info['placement'].get(side, [])) or 'not logged'}" for side in SIDES],
+        *[f"- {side}: {info['gpu_memory_mib'].get(side)} MiB on the GPU" for side in SIDES],
+        f"- ours: {'; '.join(info['placement'].get('ours', [])) or 'not logged'}",
         "",
         "Commands (port per run):",
         "",
@@ -207,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         "cmake_args": args.cmake_args or "the default flags",
         "build": args.build_note or "build time not given",
         "placement": {r["side"]: r["placement"] for r in reversed(runs)},
+        "gpu_memory_mib": {r["side"]: r["gpu_memory_mib"] for r in reversed(runs)},
         "commands": commands(args, 0),
     }
     summary = summarise(runs, args)

@@ -10,7 +10,9 @@
 # while the machine is warm, so a call cut short by its time limit is continued by the next one.
 # Results: bench/results/gpu.md and gpu.json, copied with the logs into $OUT. Environment:
 # GPU_CMAKE_ARGS (default below), JOBS (16), GPU_SHAPE (1b), GPU_BUILD_ONLY=1 (stop after the
-# build), PYTHON (python3), LLAMA_TRIO_CACHE (.gpu-work/cache), CMAKE_GENERATOR (Ninja).
+# build), GPU_BUILD_BUDGET (480: seconds the build may take in this call; past them it stops,
+# exit status 3, and the next call continues it), PYTHON (python3), LLAMA_TRIO_CACHE
+# (.gpu-work/cache), CMAKE_GENERATOR (Ninja).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -53,9 +55,13 @@ if [[ ! -x $bin/llama-server || ! -f $(vendor/build.sh --print-prefix)/.complete
   log "building llama.cpp ($CMAKE_ARGS) with $JOBS jobs"
   started=$SECONDS
   status=0
-  vendor/build.sh llama-server >>"$OUT/build.log" 2>&1 || status=$?
+  timeout "${GPU_BUILD_BUDGET:-480}" vendor/build.sh llama-server >>"$OUT/build.log" 2>&1 || status=$?
   echo $((SECONDS - started + $(cat "$WORK/build-seconds" 2>/dev/null || echo 0))) >"$WORK/build-seconds"
-  if [[ $status -ne 0 ]]; then
+  if [[ $status -eq 124 ]]; then
+    tail -n 5 "$OUT/build.log"
+    log "build not finished after $(cat "$WORK/build-seconds") s in all; call again to continue it"
+    exit 3
+  elif [[ $status -ne 0 ]]; then
     tail -n 40 "$OUT/build.log"
     log "build failed ($status) after $(cat "$WORK/build-seconds") s"
     exit 1
