@@ -46,19 +46,20 @@ def _llama_trio_log(level: int, text: object, _user_data: object) -> None:
     lines = buf.split("\n")
     _pending.buf = lines.pop()
     tap = getattr(_pending, "tap", None)
+    level = getattr(_pending, "level", logging.DEBUG)
     for line in lines:
         if line.strip():
             if tap is not None:
-                tap.append(line.rstrip())
-            log.log(getattr(_pending, "level", logging.DEBUG), "%s", line.rstrip())
+                tap.append((level, line.rstrip()))
+            log.log(level, "%s", line.rstrip())
 
 
 @contextlib.contextmanager
-def log_lines() -> Iterator[list[str]]:
+def log_lines() -> Iterator[list[tuple[int, str]]]:
     """Every line llama.cpp logs from this thread inside the block, at any level (debug lines
-    too, whatever the logger lets through), in the list it yields."""
+    too, whatever the logger lets through), as (logging level, text) in the list it yields."""
     previous = getattr(_pending, "tap", None)
-    lines: list[str] = []
+    lines: list[tuple[int, str]] = []
     _pending.tap = lines
     try:
         yield lines

@@ -81,11 +81,13 @@ class Model:
             ptr = lib.llama_model_load_from_file(self.path.encode(), params)
         params.progress_callback = ffi.NULL  # the reporter's handle dies with this call
         params.progress_callback_user_data = ffi.NULL
-        self.placement = Placement.from_log(lines)
+        self.placement = Placement.from_log([text for _, text in lines])
         if ptr == ffi.NULL:
             if progress.aborted:
                 raise ModelLoadError(f"loading {self.path} was aborted")
-            raise ModelLoadError(f"llama.cpp could not load {self.path} (corrupt or unsupported GGUF)")
+            errors = [text for level, text in lines if level >= logging.ERROR]
+            why = f": {errors[0]}" if errors else " (corrupt or unsupported GGUF)"
+            raise ModelLoadError(f"llama.cpp could not load {self.path}{why}")
         self._ptr: Any = ffi.gc(ptr, lib.llama_model_free)
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
         self.vocab = Vocab(self, lib.llama_model_get_vocab(ptr))

@@ -165,7 +165,7 @@ def test_quantized_kv_cache_is_smaller(model: ffi.Model) -> None:
 
 
 def greedy(url: str, prompt: str) -> str:
-    body = {"prompt": prompt, "max_tokens": 32, "temperature": 0}
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
     response = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
@@ -216,3 +216,11 @@ def test_an_unreachable_rpc_server_fails_the_load_cleanly() -> None:
         assert proc.wait(60) == 1
     assert f"RPC server {endpoint} cannot be reached" in proc.log
     assert "Traceback" not in proc.log
+
+
+def test_a_failed_load_says_llama_cpps_reason(tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(40))  # a header, no architecture
+    with pytest.raises(ffi.ModelLoadError) as exc:
+        ffi.Model(bad)
+    assert "error loading model" in str(exc.value)
