@@ -3,7 +3,7 @@
 operators' load/unload routes, per-model metrics, and SIGTERM and disconnects during loads.
 
 The extra models are small random-weight llamas with the default model's tokenizer
-(``tests/support/tiny_gguf.py``): their text is noise, so the tests assert shapes, orders and
+(``bench/random_model.py``): their text is noise, so the tests assert shapes, orders and
 effects, and compare greedy answers only with other runs on this machine.
 """
 
@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
+from bench.random_model import SHAPES, write_model
 from tests.support.process import ServerProcess, serving
-from tests.support.tiny_gguf import write_tiny_llama
 from tests.support.waiting import wait_for
 
 BASE = ["--parallel", "2", "--ctx-size", "4096", "--threads", "1", "--cache-ram", "0"]
@@ -27,8 +27,8 @@ BASE = ["--parallel", "2", "--ctx-size", "4096", "--threads", "1", "--cache-ram"
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory, model_path: pathlib.Path) -> pathlib.Path:
     folder = tmp_path_factory.mktemp("models")
-    write_tiny_llama(folder / "tiny-a.gguf", model_path, name="tiny a", seed=1)
-    write_tiny_llama(folder / "tiny-b.gguf", model_path, name="tiny b", seed=2)
+    write_model(model_path, folder / "tiny-a.gguf", SHAPES["tiny"], seed=1)
+    write_model(model_path, folder / "tiny-b.gguf", SHAPES["tiny"], seed=2)
     return folder
 
 

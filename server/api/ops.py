@@ -4,6 +4,8 @@ needs no API key), ``/metrics`` (Prometheus), and ``POST /models/load`` and ``/m
 
 from __future__ import annotations
 
+import dataclasses
+
 from quart import Blueprint, Response
 
 from server.api import schema
@@ -29,7 +31,19 @@ async def health() -> Response:
         status, code = "loading", 503
     else:
         status, code = "ok", 200
-    return json_response({"status": status}, code)
+    body: dict[str, object] = {"status": status}
+    # The devices llama.cpp found, and each loaded model's layers on them (the first loaded
+    # model's under "devices", as with a single model).
+    devices = {}
+    for spec in state.models.specs:
+        runtime = state.models.runtime(spec.id)
+        if runtime is not None and runtime.engine is not None and runtime.info is not None:
+            devices[spec.id] = [dataclasses.asdict(d) for d in runtime.info.devices]
+    if devices:
+        body["devices"] = next(iter(devices.values()))
+    if len(devices) > 1:
+        body["models"] = devices
+    return json_response(body, code)
 
 
 @ops.get("/metrics")

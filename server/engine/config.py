@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ffi
 from server.engine.jobs import Phase
 
 
@@ -18,6 +19,8 @@ class EngineConfig:
     channel_size: int = 32
     # Host RAM for prompt prefixes evicted from the sequences (``prompt_cache``); 0: none.
     cache_bytes: int = 0
+    # Flash attention, the KV cache's types and where it sits.
+    attention: ffi.Attention = field(default_factory=ffi.Attention)
 
 
 # While the engine is busy, the KV cell counts in ``EngineStats`` are refreshed every this many

@@ -77,6 +77,7 @@ class Engine:
             # runs beside it, so greedy output does not depend on the other sequences (with a
             # unified buffer, attention sums run in a layout-dependent order and can differ).
             kv_unified=False,
+            attention=config.attention,
         )
         self.n_ctx_seq = self.context.n_ctx_seq
         self._eog = self.vocab.eog_tokens

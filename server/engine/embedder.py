@@ -96,7 +96,14 @@ def model_pooling(model: ffi.Model) -> str:
 
 @contextlib.asynccontextmanager
 async def open_embedder(
-    model: ffi.Model, *, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int, pooling: str | None
+    model: ffi.Model,
+    *,
+    n_ctx: int,
+    n_batch: int,
+    n_seq_max: int,
+    n_threads: int,
+    pooling: str | None,
+    attention: ffi.Attention | None = None,
 ) -> AsyncIterator[Embedder]:
     """An ``Embedder`` for the block, closed when it ends.
 
@@ -114,6 +121,7 @@ async def open_embedder(
                 n_threads=n_threads,
                 embeddings=True,
                 pooling=pooling or model_pooling(model),
+                attention=attention or ffi.Attention(),
             )
             return Embedder(context, thread)
 

@@ -17,31 +17,42 @@ Unconstrained sequences never touch any of this.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
-
-import llguidance
 
 import ffi
 from ffi.vocab import ATTR_CONTROL, ATTR_USER_DEFINED
 
 if TYPE_CHECKING:
+    import llguidance
     from llguidance._lib import JsonCompileOptions
+
+# llguidance itself is imported when the first grammar is: a server that is never asked for
+# structured output or tools does not load it (a shorter start).
 
 GrammarKind = Literal["json_schema", "lark", "gbnf"]
 
-# Resource bounds of one grammar, so that no schema can make compilation or a mask step take
-# unbounded time or memory (llguidance's own units; its defaults are 1,000,000 / 200,000 /
-# 50,000 / 250,000 / 500,000). Past them a compile is a GrammarError (400), a step an error.
-LIMITS = llguidance.LLParserLimits(
-    initial_lexer_fuel=1_000_000,
-    step_lexer_fuel=200_000,
-    step_max_items=50_000,
-    max_lexer_states=100_000,
-    max_grammar_size=200_000,
-    verbose_errors=False,  # messages go back to clients: no grammar dumps
-)
+
+@functools.cache
+def limits() -> llguidance.LLParserLimits:
+    """Resource bounds of one grammar, so that no schema can make compilation or a mask step
+    take unbounded time or memory (llguidance's own units; its defaults are 1,000,000 /
+    200,000 / 50,000 / 250,000 / 500,000). Past them a compile is a GrammarError (400), a step
+    an error."""
+    import llguidance
+
+    return llguidance.LLParserLimits(
+        initial_lexer_fuel=1_000_000,
+        step_lexer_fuel=200_000,
+        step_max_items=50_000,
+        max_lexer_states=100_000,
+        max_grammar_size=200_000,
+        verbose_errors=False,  # messages go back to clients: no grammar dumps
+    )
+
+
 # JSON output on one line, ", " and ": " between items, no other whitespace: a schema's output
 # is then one text for the model to follow, and whitespace cannot pad it up to max_tokens. A
 # schema may still choose otherwise with llguidance's "x-guidance" options.
@@ -61,6 +72,8 @@ class GrammarError(ValueError):
 def build_tokenizer(vocab: ffi.Vocab, eog_tokens: frozenset[int]) -> llguidance.LLTokenizer:
     """llguidance's tokenizer for ``vocab``, whose end-of-generation tokens end a grammar.
     Blocking (one pass over the vocabulary, about a second for 50k tokens)."""
+    import llguidance
+
     tokens: list[bytes] = []
     for token in range(vocab.n_tokens):
         data = vocab.token_bytes(token)
@@ -143,6 +156,8 @@ class GrammarCache:
         return grammar
 
     def _build(self, kind: GrammarKind, source: str) -> llguidance.LLMatcher:
+        import llguidance
+
         try:
             if kind == "json_schema":
                 text = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
@@ -152,10 +167,10 @@ class GrammarCache:
                 text = llguidance.LLMatcher.grammar_from_lark(source)
         except (ValueError, RuntimeError, TypeError) as exc:
             raise GrammarError(str(exc)) from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer, limits=LIMITS)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer, limits=limits())
         if is_error:
             raise GrammarError(messages[0] if messages else "invalid grammar")
-        matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=LIMITS)
+        matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=limits())
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return matcher

@@ -19,6 +19,7 @@ from server.engine import Engine, EngineConfig, open_engine
 from server.engine.embedder import Embedder, open_embedder
 from server.engine.grammar import GrammarCache, build_tokenizer
 from server.models.specs import ModelSpec
+from server.offload import DeviceUse, attention, describe, device_uses, load_model
 
 logger = logging.getLogger("llama_trio.models")
 
@@ -48,6 +49,7 @@ class ModelInfo:
     name: str | None  # the GGUF's general.name
     fingerprint: str  # changes when the model or the llama.cpp build does (``system_fingerprint``)
     template: ffi.ChatTemplate
+    devices: tuple[DeviceUse, ...] = ()  # what llama.cpp found, with the layers each holds
 
 
 class ModelRuntime:
@@ -137,8 +139,8 @@ class ModelRuntime:
     async def _run(self) -> None:
         started = time.monotonic()
         try:
-            model = await trio.to_thread.run_sync(self._load_model)
-        except ffi.ModelLoadError as exc:
+            model, devices = await trio.to_thread.run_sync(self._load_model)
+        except (ffi.ModelLoadError, ffi.BackendError) as exc:
             if not self._stop.is_set():
                 logger.error("%s", exc)
             self.failed = exc
@@ -148,7 +150,8 @@ class ModelRuntime:
                 self._template_source or model.chat_template,
                 bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else "",
             )
-            self.info = ModelInfo(self.spec.id, self.created, model.name, f"fp_{model.fingerprint()}", template)
+            fingerprint = f"fp_{model.fingerprint()}"
+            self.info = ModelInfo(self.spec.id, self.created, model.name, fingerprint, template, devices)
             async with contextlib.AsyncExitStack() as stack:
                 engine = await stack.enter_async_context(open_engine(model, self._engine_config()))
                 s = self.spec.settings
@@ -161,6 +164,7 @@ class ModelRuntime:
                             n_seq_max=s.parallel,
                             n_threads=s.threads,
                             pooling=s.pooling,
+                            attention=attention(s),
                         )
                     )
                 self.engine = engine
@@ -188,16 +192,19 @@ class ModelRuntime:
             n_threads=s.threads,
             max_queue=s.max_queue,
             cache_bytes=s.cache_ram * 1024 * 1024,
+            attention=attention(s),
         )
 
-    def _load_model(self) -> ffi.Model:
-        model = ffi.Model(self.spec.path, progress=self._progress)
+    def _load_model(self) -> tuple[ffi.Model, tuple[DeviceUse, ...]]:
+        model = load_model(self.spec.settings, self.spec.path, self._progress)
         try:
             # One pass over the vocabulary each, here in the loading thread rather than on the
             # event loop at the first request that needs them.
             model.vocab.control_pattern  # noqa: B018
             model.vocab.eog_tokens  # noqa: B018
+            devices = device_uses(model)
+            logger.info("%s", describe(model, devices))
         except BaseException:
             model.close()
             raise
-        return model
+        return model, devices
