@@ -20,8 +20,10 @@ import trio
 
 import ffi
 from server.engine import Engine, EngineConfig, EngineStats, open_engine
+from server.engine.compiler import GrammarCompiler
 from server.engine.embedder import Embedder, open_embedder
 from server.engine.grammar import GrammarCache, build_tokenizer
+from server.engine.grammar_limits import COMPILE_EXIT_WAIT
 from server.metrics import Metrics
 from server.model_files import default_model_path
 from server.settings import Settings
@@ -71,11 +73,16 @@ class ServerState:
         self.ready = trio.Event()
         self._stop = trio.Event()
         self._progress = ffi.ProgressReporter(os.path.basename(self.model_path), logger)
-        self.metrics = Metrics(lambda: self.engine.stats if self.engine else None, lambda: self.draining)
-        self._grammars: GrammarCache | None = None
+        self._grammars: GrammarCompiler | None = None
         self._grammars_lock = trio.Lock()
+        self._compiles_stopped = False
+        self.metrics = Metrics(
+            lambda: self.engine.stats if self.engine else None,
+            lambda: self.draining,
+            lambda: self._grammars.stats if self._grammars else None,
+        )
 
-    async def grammars(self) -> GrammarCache:
+    async def grammars(self) -> GrammarCompiler:
         """The grammar compiler for the loaded model, made on first use (llguidance's view of
         the vocabulary: about 0.3 s, in a worker thread). Call only while the engine runs.
 
@@ -87,8 +94,35 @@ class ServerState:
                 assert engine is not None
                 vocab = engine.vocab
                 tokenizer = await trio.to_thread.run_sync(build_tokenizer, vocab, vocab.eog_tokens)
-                self._grammars = GrammarCache(tokenizer)
+                self._grammars = GrammarCompiler(
+                    GrammarCache(tokenizer), queued=lambda: engine.stats.queued, max_queue=self.settings.max_queue
+                )
+                if self._compiles_stopped:
+                    self._grammars.stop()
             return self._grammars
+
+    def stop_compiles(self) -> None:
+        """A shutdown's drain: grammar compiles waiting end with a 503, and no more start."""
+        self._compiles_stopped = True
+        if self._grammars is not None:
+            self._grammars.stop()
+
+    async def _close_compiles(self) -> bool:
+        """Stop compiles and wait (bounded) for those still running, which read the model's
+        vocabulary; whether none is left.
+
+        *Cancellation*: shielded, bounded by ``COMPILE_EXIT_WAIT``.
+        """
+        compiler, self._grammars = self._grammars, None
+        if compiler is None:
+            return True
+        compiler.stop()
+        if await compiler.wait_idle(COMPILE_EXIT_WAIT):
+            return True
+        logger.error(
+            "a grammar compile still runs after %.0f s: the model is left to the process's exit", COMPILE_EXIT_WAIT
+        )
+        return False
 
     @property
     def stats(self) -> EngineStats | None:
@@ -157,10 +191,12 @@ class ServerState:
                 self.ready.set()
                 await self._stop.wait()
         finally:
+            idle = await self._close_compiles()
             self.engine = None
             self.embedder = None
             self.info = None
-            model.close()
+            if idle:
+                model.close()
 
     def _load_model(self) -> ffi.Model:
         model = ffi.Model(self.model_path, progress=self._progress)
