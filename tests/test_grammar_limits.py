@@ -22,48 +22,17 @@ from server.engine import grammar_limits as limits
 from server.engine.compiler import GrammarCompiler
 from server.engine.gbnf import GbnfError, to_lark
 from server.engine.grammar import GrammarCache, GrammarError, build_tokenizer
+from tests.support.grammars import (
+    any_of_chain,
+    chain,
+    gbnf_chain,
+    lark_chain,
+    optional_properties,
+    properties_chain,
+    ref,
+    ref_chain,
+)
 from tests.support.process import ROOT
-
-# -- shapes of schemas and grammars, n links long --------------------------------------------
-
-
-def _chain(body: Callable[[int], dict[str, Any]], n: int) -> dict[str, Any]:
-    """$defs d0..dn, each made by ``body`` (which refers to the next), dn a string."""
-    defs: dict[str, Any] = {f"d{i}": body(i) for i in range(n)}
-    defs[f"d{n}"] = {"type": "string"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
-def _ref(i: int) -> dict[str, str]:
-    return {"$ref": f"#/$defs/d{i}"}
-
-
-def ref_chain(n: int) -> dict[str, Any]:
-    return _chain(lambda i: _ref(i + 1), n)
-
-
-def properties_chain(n: int) -> dict[str, Any]:
-    return _chain(lambda i: {"type": "object", "properties": {"a": _ref(i + 1)}, "required": ["a"]}, n)
-
-
-def any_of_chain(n: int) -> dict[str, Any]:
-    return _chain(lambda i: {"anyOf": [_ref(i + 1), {"type": "null"}]}, n)
-
-
-def gbnf_chain(rules: int) -> str:
-    """``rules`` GBNF rules, each the next one, the last "x"."""
-    n = rules - 2
-    return "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(n)) + f'r{n} ::= "x"\n'
-
-
-def lark_chain(rules: int) -> str:
-    n = rules - 2
-    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
-
-
-def optional_properties(n: int, required: int = 0) -> dict[str, Any]:
-    names = [f"p{i}" for i in range(n)]
-    return {"type": "object", "properties": {p: {"type": "integer"} for p in names}, "required": names[:required]}
 
 
 # The deepest nesting each chain reaches, in schemas as the walk counts them: root, the chain's
@@ -96,15 +65,36 @@ def test_the_issues_crashing_schemas_are_refused_with_their_place() -> None:
         assert str(refused.value).endswith(f"at {where}")
 
 
+def test_references_resolve_through_ids_anchors_and_escapes() -> None:
+    too_deep = limits.MAX_SCHEMA_DEPTH
+    # A tool's parameters inside the answer's schema: with an $id, "#/..." is the tool's own.
+    for own in ("urn:tool", "http://example.com/tool.json"):
+        wrapped = {"anyOf": [{"type": "null"}, {"properties": {"arguments": {"$id": own, **ref_chain(too_deep)}}}]}
+        with pytest.raises(limits.TooComplex, match="levels deep"):
+            limits.check_schema_text(json.dumps(wrapped))
+    by_uri = {"$defs": {"a": {"$id": "http://example.com/a.json", **ref_chain(too_deep)}}, "$ref": "a.json"}
+    by_uri["$id"] = "http://example.com/root.json"
+    anchors = {f"d{i}": {"$anchor": f"a{i}", "$ref": f"#a{i + 1}"} for i in range(too_deep)}
+    old_anchors = {f"d{i}": {"$id": f"#a{i}", "$ref": f"#a{i + 1}"} for i in range(too_deep)}
+    escaped = {f"d /{i}": {"$ref": f"#/$defs/d%20~1{i + 1}"} for i in range(too_deep)}
+    for defs, last in ((anchors, {"$anchor": f"a{too_deep}"}), (old_anchors, {"$id": f"#a{too_deep}"})):
+        defs[f"d{too_deep}"] = last
+    for schema in (by_uri, {"$defs": anchors, "$ref": "#a0"}, {"$defs": old_anchors, "$ref": "#a0"}):
+        with pytest.raises(limits.TooComplex, match="levels deep"):
+            limits.check_schema_text(json.dumps(schema))
+    with pytest.raises(limits.TooComplex, match="levels deep"):
+        limits.check_schema_text(json.dumps({"$defs": escaped, "$ref": "#/$defs/d%20~10"}))
+
+
 def test_recursive_and_shared_schemas_are_walked_once() -> None:
     tree = {
-        "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": _ref(0)}}}},
+        "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": ref(0)}}}},
         "$ref": "#/$defs/node",
     }
     tree["$defs"]["node"]["properties"]["kids"]["items"] = {"$ref": "#/$defs/node"}
     limits.check_schema_text(json.dumps(tree))
     # Each level refers twice to the next: 2**60 paths, one walk of 61 schemas.
-    doubling = _chain(lambda i: {"allOf": [_ref(i + 1), _ref(i + 1)]}, 60)
+    doubling = chain(lambda i: {"allOf": [ref(i + 1), ref(i + 1)]}, 60)
     limits.check_schema_text(json.dumps(doubling))
 
 
@@ -294,17 +284,20 @@ print("compiled")
 """
 
 
-@pytest.mark.parametrize("stack", [8 * 1024 * 1024, limits.COMPILE_STACK_BYTES], ids=["8MiB", "compile-stack"])
-def test_the_stack_measurement_behind_the_bounds(stack: int) -> None:
+@pytest.mark.parametrize(
+    ("stack", "links"), [(8 * 1024 * 1024, 1000), (limits.COMPILE_STACK_BYTES, 5000)], ids=["8MiB", "compile-stack"]
+)
+def test_the_stack_measurement_behind_the_bounds(stack: int, links: int) -> None:
     # 1,000 objects each holding the next (2,002 schemas deep, 16x the bound) overflow a thread's
-    # default 8 MiB in llguidance's compiler (the process dies); a compile thread's stack holds.
+    # default 8 MiB in llguidance's compiler (the process dies). A compile thread's stack holds
+    # 5,000 (10,002 deep: every subschema MAX_SCHEMA_NODES allows, on one path).
     done = subprocess.run(
         [sys.executable, "-c", _OVERFLOW, str(stack)],
-        input=json.dumps(properties_chain(1000)),
+        input=json.dumps(properties_chain(links)),
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=300,
         check=False,
     )
     if stack == limits.COMPILE_STACK_BYTES:

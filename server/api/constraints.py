@@ -96,37 +96,38 @@ async def output_grammar(
     except EngineError as exc:
         raise ApiError.from_engine(exc, param=param) from None
     except GrammarError as exc:
+        message = str(exc)
         if isinstance(req, schema.ChatCompletionRequest) and param == "tools":
-            param = await _bad_tool(state, req, scope) or param
-        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+            param, message = await _bad_tool(state, req, scope) or (param, message)
+        raise ApiError(400, f"{param}: {message}", param=param, code="invalid_value") from None
 
 
-async def _bad_tool(state: ServerState, req: schema.ChatCompletionRequest, scope: str) -> str | None:
-    """The first tool whose parameters are past a bound or do not compile on their own, as a
-    param path. The bounds are checked first, for every tool, in a worker thread; then each
-    tool's parameters are compiled in turn, through the compile queue.
+async def _bad_tool(state: ServerState, req: schema.ChatCompletionRequest, scope: str) -> tuple[str, str] | None:
+    """The first tool whose parameters are past a bound or do not compile on their own: its
+    param path and what is wrong. The bounds are checked first, for every tool, in a worker
+    thread; then each tool's parameters are compiled in turn, through the compile queue.
 
     *Cancellation*: as ``output_grammar``.
     """
     sources = [_compact(tool.function.parameters or {}) for tool in req.tools or ()]
 
-    def first_too_complex() -> int | None:
+    def first_too_complex() -> tuple[int, str] | None:
         for i, source in enumerate(sources):
             try:
                 check_schema_text(source)
-            except TooComplex:
-                return i
+            except TooComplex as exc:
+                return i, str(exc)
         return None
 
     too_complex = await trio.to_thread.run_sync(first_too_complex)
     if too_complex is not None:
-        return f"tools[{too_complex}].function.parameters"
+        return f"tools[{too_complex[0]}].function.parameters", too_complex[1]
     compiler = await state.grammars()
     for i, source in enumerate(sources):
         try:
             await compiler.compile("json_schema", source, scope)
-        except GrammarError:
-            return f"tools[{i}].function.parameters"
+        except GrammarError as exc:
+            return f"tools[{i}].function.parameters", str(exc)
         except EngineError:
             return None
     return None

@@ -5,16 +5,19 @@ llguidance's compiler recurses along chains of rules and of nested or referenced
 a few thousand links it overflows its thread's stack and takes the process down (a segfault,
 not an exception). Its time grows with a schema's properties (quadratically with the optional
 properties of one object) and with a grammar's rules, and its own ``max_grammar_size`` is checked
-only after most of that work. So a grammar is walked first (``check_schema``, ``check_grammar``:
-linear, no recursion past the bounds), refused with ``TooComplex`` (a 400 naming the field) when
-it is past a bound, and only then compiled, in a thread whose stack the bounds make ample.
+only after most of that work. So a grammar is walked first (``check_schema_text``,
+``check_gbnf``, ``check_lark``: linear, no recursion past the bounds), refused with
+``TooComplex`` (a 400 naming the field) when it is past a bound, and only then compiled, in a
+thread whose stack the bounds make ample.
 
 Measured here (SmolLM2's tokenizer, llguidance 1.9.1, a 2-core VM), the compile's stack
 overflows at 8 MiB (a thread's default) after about 1,700 nested schemas counted as below
 (900 objects each holding the next through a property and a ``$ref``, 2,450 plain ``$ref``
-hops, 1,030 ``anyOf`` links, 870 ``prefixItems``) and 3,480 chained GBNF rules; the depth grows
-in proportion to the stack (4x the stack, 4x the depth). CPU time within the bounds: at most
-about 0.4 s (10,000 schemas: 0.25-0.35 s; 10,000 grammar symbols: about 0.4 s).
+hops, 1,030 ``anyOf`` links, 870 ``prefixItems``: about 5 KiB a schema) and 3,480 chained GBNF
+rules (2.4 KiB a rule); the depth grows with the stack (4x the stack, 4x the depth). CPU time
+within the bounds, on an idle core: at most about 0.4 s (10,000 subschemas in various shapes:
+0.25-0.35 s; 10,000 grammar symbols: ~0.4 s), against 15 s for the issue's 8,000 optional
+properties.
 """
 
 from __future__ import annotations
@@ -23,17 +26,19 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urldefrag, urljoin, urlsplit
 
 import llguidance
 
 # -- the compile's resources --------------------------------------------------------------------
 
-# The stack of a compile thread. With the bounds below the deepest compile needs about 0.7 MiB
-# (128 nested schemas x ~5 KiB) or 2.4 MiB (1,000 chained rules x ~2.4 KiB); 64 MiB overflows
-# only past ~13,000 nested schemas or ~27,000 chained rules, more than the bounds (and the
-# 256 KiB limit on a grammar's text) allow even if every schema were on one path. Only the
-# pages a compile touches are memory; the rest is address space.
-COMPILE_STACK_BYTES = 64 * 1024 * 1024
+# The stack of a compile thread. Within the bounds below the deepest compile needs about
+# 0.7 MiB (128 nested schemas x ~5 KiB) or 2.4 MiB (1,000 chained rules x 2.4 KiB); should a
+# $ref escape our walk, every subschema allowed on one path (10,000) is ~50 MiB. 256 MiB
+# overflows past ~50,000 (measured: 5,000 objects each holding the next, 10,000 subschemas,
+# compile on it and on 64 MiB). Only the pages a compile touches are memory; the rest is
+# address space, and there are COMPILE_THREADS such stacks at most.
+COMPILE_STACK_BYTES = 256 * 1024 * 1024
 # Compiles run one at a time: each takes a core (the decode thread needs the other on 2 cores),
 # and, within the bounds, one takes well under a second, so a queue of them moves.
 COMPILE_THREADS = 1
@@ -139,7 +144,7 @@ def _pointer(where: _Where) -> str:
 
 class _Walk:
     def __init__(self, root: Any, budget: _Budget) -> None:
-        self.root = root
+        self.refs = _References(root)
         self.budget = budget
         self.heights: dict[int, int] = {}  # id(schema) -> schemas on its longest path down
         self.open: set[int] = set()  # schemas on the current path: a $ref to one is a cycle
@@ -175,7 +180,7 @@ class _Walk:
         for word, value in node.items():
             kind = _KEYWORDS.get(word)
             if kind is None:
-                if word == "$ref" and isinstance(value, str) and (target := _resolve(self.root, value)) is not None:
+                if word == "$ref" and isinstance(value, str) and (target := self.refs.target(node, value)) is not None:
                     below.append((target, value))
             elif (isinstance(value, dict) and kind != _MANY) or isinstance(value, bool):
                 below.append((value, (where, word)))
@@ -208,23 +213,60 @@ def _too_deep(where: _Where) -> TooComplex:
     return TooComplex(f"the schema nests {what}, at {_pointer(where)}")
 
 
-def _resolve(root: Any, ref: str) -> Any:
-    """The schema a local ``$ref`` ("#", "#/$defs/a") points at in ``root``; None for any other
-    (llguidance reports what it cannot resolve)."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
+class _References:
+    """Where the ``$ref`` of a document point: its resources (a schema with an ``$id`` is the
+    base of the references written inside it), their anchors, and JSON pointers in them. What
+    does not resolve here is left for llguidance to refuse (or to resolve: a schema's subschemas
+    are bounded in number anyway, and COMPILE_STACK_BYTES holds them all on one path)."""
+
+    def __init__(self, root: Any) -> None:
+        self.base: dict[int, str] = {}  # id(schema) -> the base URI of references in it
+        self.resources: dict[str, Any] = {"": root}
+        self.anchors: dict[str, Any] = {}
+        pending: list[tuple[Any, str]] = [(root, "")]
+        while pending:
+            node, base = pending.pop()
+            if isinstance(node, list):
+                pending.extend((item, base) for item in node)
+                continue
+            if not isinstance(node, dict):
+                continue
+            own, anchor = node.get("$id"), node.get("$anchor")
+            if isinstance(own, str) and own.startswith("#"):
+                anchor = own[1:]  # drafts 6 and 7 named anchors with $id
+            elif isinstance(own, str):
+                base = urldefrag(_join(base, own)).url
+                self.resources.setdefault(base, node)
+            if isinstance(anchor, str):
+                self.anchors.setdefault(f"{base}#{anchor}", node)
+            self.base[id(node)] = base
+            pending.extend((value, base) for value in node.values())
+
+    def target(self, node: dict[str, Any], ref: str) -> Any:
+        """The schema that ``ref``, written in ``node``, points at; None when it is not here."""
+        base = self.base.get(id(node), "")
+        uri, fragment = (base, ref[1:]) if ref.startswith("#") else urldefrag(_join(base, ref))
+        fragment = unquote(fragment)
+        resource = self.resources.get(uri)
+        if resource is None:
             return None
-    return node if isinstance(node, (dict, bool)) else None
+        if not fragment.startswith("/"):
+            target = self.anchors.get(f"{uri}#{fragment}") if fragment else resource
+        else:
+            target = resource
+            for part in fragment[1:].split("/"):
+                part = part.replace("~1", "/").replace("~0", "~")
+                if isinstance(target, dict) and part in target:
+                    target = target[part]
+                elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                    target = target[int(part)]
+                else:
+                    return None
+        return target if isinstance(target, (dict, bool)) else None
+
+
+def _join(base: str, ref: str) -> str:
+    return ref if urlsplit(ref).scheme else urljoin(base, ref)
 
 
 # -- GBNF and Lark ------------------------------------------------------------------------------
