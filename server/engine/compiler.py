@@ -18,6 +18,7 @@ on a thread with a large stack. Here:
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import threading
 import time
@@ -90,7 +91,7 @@ class GrammarCompiler:
         """
         key = (scope, kind, source)
         if self._stopped is not None:
-            raise self._stopped
+            raise copy.copy(self._stopped)
         grammar = self._cache.get(key)
         if grammar is not None:
             self.stats.cache_hits += 1
@@ -115,7 +116,7 @@ class GrammarCompiler:
                     del self._current[key]
                 self._update()
         if job.error is not None:
-            raise job.error
+            raise copy.copy(job.error)  # each caller its own, with its own traceback
         assert job.result is not None
         return job.result
 
