@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from server.engine import EngineStats
+from server.engine.compiler import CompileStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -118,12 +119,38 @@ class _ModelCollector(Collector):
         yield from families.values()
 
 
+class _GrammarCollector(Collector):
+    """Reads the grammar compiler's statistics at scrape time (zeros before its first use)."""
+
+    def __init__(self, stats: Callable[[], CompileStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._stats() or CompileStats()
+        yield GaugeMetricFamily(
+            "llama_trio_grammar_compiles_waiting", "grammar compiles queued for a thread", value=stats.waiting
+        )
+        yield GaugeMetricFamily(
+            "llama_trio_grammar_compiles_running", "grammar compiles running (abandoned ones too)", value=stats.running
+        )
+        for name, doc, value in (
+            ("compiles", "grammar compiles run", stats.compiles),
+            ("compile_failures", "grammar compiles that refused the grammar", stats.failures),
+            ("cache_hits", "grammars answered from the compiled-grammar cache (within a scope)", stats.cache_hits),
+            ("compiles_refused", "grammar compiles refused because the queue was full", stats.overloaded),
+            ("compiles_abandoned", "waits for a grammar compile that ended first", stats.abandoned),
+            ("compile_seconds", "seconds spent compiling grammars", stats.seconds),
+        ):
+            yield CounterMetricFamily(f"llama_trio_grammar_{name}", doc, value=value)
+
+
 class Metrics:
     def __init__(
         self,
         stats: Callable[[], EngineStats | None],
         draining: Callable[[], bool],
         models: Callable[[], list[ModelRow]] = list,
+        grammars: Callable[[], CompileStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -146,6 +173,7 @@ class Metrics:
         )
         self.registry.register(_EngineCollector(stats, draining))
         self.registry.register(_ModelCollector(models))
+        self.registry.register(_GrammarCollector(grammars))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -124,7 +124,7 @@ _HELP = {
     "pooling": "how embeddings pool their tokens: mean, cls or last (default: the model's own, else mean)",
     "api_key": "accepted API key (repeatable; env: comma-separated)",
     "api_key_file": "file with one API key per line",
-    "max_queue": "requests waiting for a free sequence before 503",
+    "max_queue": "requests waiting for a free sequence or a grammar compile before 503",
     "cache_ram": (
         "MiB of host RAM for prompt prefixes evicted from the sequences, restored when a prompt extends one (0: off)"
     ),

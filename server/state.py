@@ -13,6 +13,7 @@ import dataclasses
 import trio
 
 from server.engine import Engine, EngineStats
+from server.engine.compiler import CompileStats
 from server.metrics import Metrics, ModelRow
 from server.models.registry import ModelRegistry
 from server.models.runtime import ModelInfo, TemplateFileError
@@ -26,7 +27,7 @@ class ServerState:
         self.settings = settings
         self.models = ModelRegistry(settings)
         self.draining = False
-        self.metrics = Metrics(self.engine_stats, lambda: self.draining, self.model_rows)
+        self.metrics = Metrics(self.engine_stats, lambda: self.draining, self.model_rows, self.compile_stats)
 
     @property
     def ready(self) -> trio.Event:
@@ -76,6 +77,22 @@ class ServerState:
                 )
             )
         return rows
+
+    def compile_stats(self) -> CompileStats | None:
+        """Every model's grammar compiler's statistics together; None before any compiled."""
+        found = [r.compile_stats for r in self.models.runtimes() if r.compile_stats is not None]
+        if not found:
+            return None
+        total = CompileStats()
+        for stats in found:
+            for field in dataclasses.fields(CompileStats):
+                setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+        return total
+
+    def stop_compiles(self) -> None:
+        """A shutdown's drain: every model's waiting grammar compiles end with a 503."""
+        for runtime in self.models.runtimes():
+            runtime.stop_compiles()
 
     def stop_models(self) -> None:
         """Let ``run_models`` finish (aborting loads in progress)."""

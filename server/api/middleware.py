@@ -85,7 +85,7 @@ def _install_auth(app: QuartTrio, settings: Settings, public: frozenset[str]) ->
         if not ok:
             message = "invalid API key" if given else "missing API key (Authorization: Bearer <key>)"
             return ApiError(401, message, type_="authentication_error", code="invalid_api_key").response()
-        # Each key is its own tenant for the prefix cache (prepare.cache_scope).
+        # Each key is its own tenant for the prefix and grammar caches (prepare.cache_scope).
         g.tenant = hashlib.sha256(given_bytes).hexdigest()
         return None
 

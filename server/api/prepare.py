@@ -137,14 +137,15 @@ async def _prepare(
     if ceiling is not None:
         max_tokens = min(max_tokens or ceiling, ceiling)
     logprobs = _logprobs_wanted(req)
+    scope = cache_scope(req.cache_salt)
     job = Job(
         all_tokens[0],
         sampling_params(req, engine.vocab.n_tokens),
         more_prompts=tuple(all_tokens[1:]),
         max_tokens=max_tokens,
         stop=req.stop_list(),
-        cache_scope=cache_scope(req.cache_salt),
-        grammar=await output_grammar(lease.runtime, req, prompt.use),
+        cache_scope=scope,
+        grammar=await output_grammar(lease.runtime, req, prompt.use, scope),
         logprobs=logprobs,
         n=n,
         streamed=req.stream,

@@ -119,6 +119,10 @@ class ModelRegistry:
     def runtime(self, model_id: str) -> ModelRuntime | None:
         return self._runtimes.get(model_id)
 
+    def runtimes(self) -> list[ModelRuntime]:
+        """The runtimes of the models loaded or loading."""
+        return list(self._runtimes.values())
+
     def engines(self) -> Iterator[Engine]:
         """The engines of the loaded models."""
         for runtime in list(self._runtimes.values()):

@@ -16,8 +16,10 @@ import trio
 
 import ffi
 from server.engine import Engine, EngineConfig, open_engine
+from server.engine.compiler import CompileStats, GrammarCompiler
 from server.engine.embedder import Embedder, open_embedder
 from server.engine.grammar import GrammarCache, build_tokenizer
+from server.engine.grammar_limits import COMPILE_EXIT_WAIT
 from server.models.specs import ModelSpec
 from server.offload import DeviceUse, attention, describe, device_uses, load_model
 
@@ -74,8 +76,9 @@ class ModelRuntime:
         self._template_source = template_source
         self._stop = trio.Event()
         self._progress = ffi.ProgressReporter(spec.id, logger)
-        self._grammars: GrammarCache | None = None
+        self._grammars: GrammarCompiler | None = None
         self._grammars_lock = trio.Lock()
+        self._compiles_stopped = False
 
     @property
     def status(self) -> str:
@@ -99,7 +102,7 @@ class ModelRuntime:
         stats = self.engine.stats
         return bool(stats.active or stats.queued)
 
-    async def grammars(self) -> GrammarCache:
+    async def grammars(self) -> GrammarCompiler:
         """The grammar compiler for this model, made on first use (llguidance's view of the
         vocabulary: about 0.3 s, in a worker thread). Call only while the engine runs.
 
@@ -111,8 +114,39 @@ class ModelRuntime:
                 assert engine is not None
                 vocab = engine.vocab
                 tokenizer = await trio.to_thread.run_sync(build_tokenizer, vocab, vocab.eog_tokens)
-                self._grammars = GrammarCache(tokenizer)
+                self._grammars = GrammarCompiler(
+                    GrammarCache(tokenizer), queued=lambda: engine.stats.queued, max_queue=self.spec.settings.max_queue
+                )
+                if self._compiles_stopped:
+                    self._grammars.stop()
             return self._grammars
+
+    @property
+    def compile_stats(self) -> CompileStats | None:
+        return self._grammars.stats if self._grammars is not None else None
+
+    def stop_compiles(self) -> None:
+        """A shutdown's drain: grammar compiles waiting end with a 503, and no more start."""
+        self._compiles_stopped = True
+        if self._grammars is not None:
+            self._grammars.stop()
+
+    async def _close_compiles(self) -> bool:
+        """Stop compiles and wait (bounded) for those still running, which read the model's
+        vocabulary; whether none is left.
+
+        *Cancellation*: shielded, bounded by ``COMPILE_EXIT_WAIT``.
+        """
+        compiler, self._grammars = self._grammars, None
+        if compiler is None:
+            return True
+        compiler.stop()
+        if await compiler.wait_idle(COMPILE_EXIT_WAIT):
+            return True
+        logger.error(
+            "a grammar compile still runs after %.0f s: the model is left to the process's exit", COMPILE_EXIT_WAIT
+        )
+        return False
 
     def stop(self) -> None:
         """Let ``run`` finish (aborting a load in progress)."""
@@ -181,7 +215,8 @@ class ModelRuntime:
                 self.loaded.set()
                 await self._stop.wait()
         finally:
-            model.close()
+            if await self._close_compiles():
+                model.close()
 
     def _engine_config(self) -> EngineConfig:
         s = self.spec.settings

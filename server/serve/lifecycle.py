@@ -188,11 +188,13 @@ class Service:
         logger.info("stopped")
 
     def _refuse_queued(self) -> None:
-        """No new jobs; queued ones end now with a 503 that a proxy may retry elsewhere, except
-        streams, whose answer has begun: they keep their place and run within the drain."""
+        """No new jobs or grammar compiles; queued ones end now with a 503 that a proxy may retry
+        elsewhere, except streams, whose answer has begun: they keep their place and run within
+        the drain. Requests waiting for a compile have not begun their answer: they get the 503."""
         for engine in self.state.engines():
             engine.stop_admitting()
             engine.fail_queued(ShuttingDown("server is shutting down"), keep_streamed=True)
+        self.state.stop_compiles()
 
     async def _accept(
         self, listener: trio.SocketListener, handler: _Handler, connections: trio.Nursery, limit: trio.Semaphore
