@@ -373,6 +373,96 @@ def test_bad_values_have_a_code_and_a_clear_message(
     assert needle in error["message"]
 
 
+# -- text that is not Unicode -------------------------------------------------------------------
+
+BAD = "abc\ud800def"  # a lone surrogate: JSON's "\ud800" escape without its pair
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+TOOL = {"type": "function", "function": {"name": "add", "description": "Adds.", "parameters": {"type": "object"}}}
+HISTORY = [
+    {"role": "user", "content": "Add 1."},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+]
+
+
+def with_tool(**changes: Any) -> dict[str, Any]:
+    function = {**TOOL["function"], **changes}
+    return {"messages": CHAT, "tools": [{**TOOL, "function": function}]}
+
+
+def with_call(arguments: str = '{"a": 1}', **changes: Any) -> dict[str, Any]:
+    call = {**CALL, "function": {**CALL["function"], "arguments": arguments}, **changes}
+    messages = [HISTORY[0], {**HISTORY[1], "tool_calls": [call]}, HISTORY[2]]
+    return {"messages": messages, "tools": [TOOL]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": BAD}]}, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": BAD}]}
+                ]
+            },
+            "messages[0].content[1].text",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": BAD}]}, "messages[0].name"),
+        ("/v1/chat/completions", {"messages": CHAT, "stop": BAD}, "stop"),
+        ("/v1/chat/completions", {"messages": CHAT, "stop": ["ok", BAD]}, "stop[1]"),
+        ("/v1/chat/completions", with_tool(description=BAD), "tools[0].function.description"),
+        (
+            "/v1/chat/completions",
+            with_tool(parameters={"type": "object", "properties": {"a": {"description": BAD}}}),
+            "tools[0].function.parameters.properties.a.description",
+        ),
+        (
+            "/v1/chat/completions",
+            with_call(arguments='{"a": "' + BAD + '"}'),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ("/v1/chat/completions", with_call(id=BAD), "messages[1].tool_calls[0].id"),
+        (
+            "/v1/chat/completions",
+            {"messages": [*HISTORY[:2], {**HISTORY[2], "tool_call_id": BAD}], "tools": [TOOL]},
+            "messages[2].tool_call_id",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": CHAT,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": BAD}}},
+            },
+            "response_format.json_schema.schema.const",
+        ),
+        ("/v1/completions", {"prompt": "hi", "json_schema": {"enum": [BAD]}}, "json_schema.enum[0]"),
+        ("/v1/completions", {"prompt": "hi", "grammar": f'root ::= "{BAD}"'}, "grammar"),
+        ("/v1/completions", {"prompt": BAD}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", BAD]}, "prompt[1]"),
+        ("/v1/completions", {"prompt": "hi", "stop": [BAD]}, "stop[0]"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": BAD}, "cache_salt"),
+        ("/v1/completions", {"prompt": "hi", "user": BAD}, "user"),
+        ("/v1/completions", {"prompt": "hi", "model": BAD}, "model"),
+        ("/v1/completions", {"prompt": "hi", "metadata": {"k": BAD}}, "metadata.k"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1\udfff": 1}}, 'logit_bias["1\\udfff"]'),
+        ("/v1/embeddings", {"input": BAD}, "input"),
+    ],
+)
+def test_lone_surrogates_are_400s_naming_the_field(
+    server: ServerProcess, path: str, body: dict[str, Any], param: str
+) -> None:
+    # json.dumps writes the lone surrogate as the escape a client's JSON would carry.
+    content = json.dumps({"max_tokens": 2, **body} if "input" not in body else body).encode()
+    response = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", param), error
+    assert "surrogate" in error["message"]
+    assert "Traceback" not in server.log
+
+
 def test_413_reaches_a_client_still_sending_its_body(server: ServerProcess) -> None:
     # 6 MiB against the 4 MiB limit: the answer comes while the client is still sending.
     payload = b'{"prompt": "' + b"a" * (6 * 1024 * 1024) + b'"}'
