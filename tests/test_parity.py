@@ -12,6 +12,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
+from ffi.sampler import RANDOM_SEED, dist_seed
 from server.api.schema import IGNORABLE_FIELDS, ChatCompletionRequest, CompletionRequest
 from tests.support import sse
 from tests.support.process import NO_END_TOKENS, ServerProcess
@@ -239,6 +240,30 @@ def test_n_choices_share_the_prompt_and_differ_by_seed(server: ServerProcess) ->
     assert [streamed[i] for i in range(3)] == texts
     assert finishes == {0: "length", 1: "length", 2: "length"}
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 48
+
+
+@pytest.mark.parametrize(
+    ("seed", "n"),
+    [(2**32 - 1, 1), (2**33 - 1, 1), (-1, 1), (2**64 - 1, 1), (2**32 - 2, 2)],
+    ids=["2^32-1", "2^33-1", "-1", "2^64-1", "choice-1-of-2-seed-2^32-2"],
+)
+def test_every_explicit_seed_reproduces(server: ServerProcess, seed: int, n: int) -> None:
+    # Each of these reached llama.cpp as 0xFFFFFFFF, its "draw a random seed" (before: a new
+    # answer each time).
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.5, "top_k": 0, "min_p": 0}
+    body.update(seed=seed, n=n, logit_bias=NO_END_TOKENS)
+    answers = [
+        [c["text"] for c in httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"]]
+        for _ in range(2)
+    ]
+    assert answers[0] == answers[1]
+    assert len(answers[0]) == n
+
+
+def test_seeds_map_to_llama_cpp_seeds_that_are_never_random() -> None:
+    assert [dist_seed(s) for s in (0, 1, 2**32 - 2)] == [0, 1, 2**32 - 2]  # ordinary seeds as they were
+    for seed in (2**32 - 1, 2**33 - 1, -1, 2**64 - 1, -(2**63), 2**32 - 2 + 1):
+        assert 0 <= dist_seed(seed) < RANDOM_SEED
 
 
 def test_n_choices_for_completions_and_greedy_ones_agree(server: ServerProcess) -> None:

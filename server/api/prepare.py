@@ -67,7 +67,7 @@ def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParam
         top_k=DEFAULT_TOP_K if req.top_k is None else min(req.top_k, n_vocab),
         top_p=1.0 if req.top_p is None else req.top_p,
         min_p=DEFAULT_MIN_P if req.min_p is None else req.min_p,
-        seed=None if req.seed is None else req.seed & 0xFFFFFFFF,
+        seed=req.seed,
         repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
