@@ -187,6 +187,42 @@ def test_completion_logprobs_legacy_shape(server: ServerProcess) -> None:
     assert streamed == pytest.approx(lp["token_logprobs"])
 
 
+def legacy_logprobs(server: ServerProcess, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The legacy logprobs of ``body``'s answer, whole and streamed (merged)."""
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        chunks = sse.parse(response.read(), kind="completion").chunks
+    streamed: dict[str, list[Any]] = {key: [] for key in whole}
+    for chunk in chunks:
+        for key, values in ((chunk["choices"] or [{}])[0].get("logprobs") or {}).items():
+            streamed[key] += values
+    return whole, streamed
+
+
+def test_legacy_logprobs_keep_every_alternative(server: ServerProcess) -> None:
+    # Emojis: the likeliest tokens are parts of characters, which all decode to "\ufffd".
+    body = {"prompt": "Emojis: 😀😃😄😁😆", "max_tokens": 30, "temperature": 0, "logprobs": 5}
+    whole, streamed = legacy_logprobs(server, {**body, "logit_bias": NO_END_TOKENS})
+    # Before: 19 of 30 had fewer than 5 (colliding keys, the last and lowest value kept).
+    for logprobs in (whole, streamed):
+        assert [len(top) for top in logprobs["top_logprobs"]] == [5] * 30
+    assert streamed["tokens"] == whole["tokens"]
+    assert any(key.startswith("bytes:\\x") for top in whole["top_logprobs"] for key in top)
+
+
+def test_legacy_logprobs_give_each_token_its_own_offset(server: ServerProcess) -> None:
+    # Every "," is held back (it may begin the stop string) until the next token decides.
+    body = {"prompt": "Count: one, two, three, four, five,", "max_tokens": 12, "temperature": 0, "logprobs": 1}
+    whole, streamed = legacy_logprobs(server, {**body, "stop": [", zzz"], "logit_bias": NO_END_TOKENS})
+    tokens, offsets = whole["tokens"], whole["text_offset"]
+    assert offsets[0] == 0 and len(offsets) == len(tokens) == 12
+    for i in range(11):
+        if not tokens[i].startswith("bytes:"):  # (text, not part of a character)
+            # Before: a held token and the one that released it had the same offset.
+            assert offsets[i + 1] == offsets[i] + len(tokens[i]), (tokens, offsets)
+    assert streamed["text_offset"] == offsets
+
+
 def test_logprobs_under_a_grammar_describe_what_it_allowed(server: ServerProcess) -> None:
     body = {
         "messages": CHAT,
