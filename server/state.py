@@ -71,7 +71,11 @@ class ServerState:
         self.ready = trio.Event()
         self._stop = trio.Event()
         self._progress = ffi.ProgressReporter(os.path.basename(self.model_path), logger)
-        self.metrics = Metrics(lambda: self.engine.stats if self.engine else None, lambda: self.draining)
+        self.metrics = Metrics(
+            lambda: self.engine.stats if self.engine else None,
+            lambda: self.draining,
+            lambda: self.embedder.stats if self.embedder else None,
+        )
         self._grammars: GrammarCache | None = None
         self._grammars_lock = trio.Lock()
 

@@ -1,7 +1,7 @@
 """Attacks and protocol edges, each against a real server process: HTTP/2 on the cleartext port,
 requests that would stall the event loop, the prefix cache as a side channel between tenants,
-control tokens typed into messages, request smuggling, half-closed clients, WebSocket, CORS,
-405 and lingering closes."""
+control tokens typed into messages, request smuggling, text that is not Unicode, WebSocket,
+CORS, 405 and lingering closes (half-closed clients: ``test_disconnects.py``)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import pytest
 
 import ffi
 from server.api.prompt import chat_tokens, text_tokens
-from tests.support import sse
 from tests.support.process import ServerProcess, serving
-from tests.support.rawhttp import closed_by_peer, dechunk, read_head, request_bytes
+from tests.support.rawhttp import closed_by_peer, read_head, request_bytes
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -286,22 +285,6 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(server: Ser
     head_bytes, _, payload = raw.partition(b"\r\n\r\n")
     assert b"connection: close" in head_bytes.lower()
     assert json.loads(payload)["error"]["code"] == "invalid_request"
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_half_closed_client_gets_its_answer(server: ServerProcess, stream: bool) -> None:
-    body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": stream}
-    with connect(server) as sock:
-        sock.sendall(request_bytes("POST", "/v1/chat/completions", body))
-        sock.shutdown(socket.SHUT_WR)  # as `nc -N` does
-        raw = read_all(sock)
-    head, _, rest = raw.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200 "), raw[:300]
-    if stream:
-        parsed = sse.parse(dechunk(rest), kind="chat")
-        assert parsed.text and len(parsed.finish_reasons) == 1
-    else:
-        assert json.loads(rest)["choices"][0]["message"]["content"]
 
 
 def test_websocket_upgrade_is_a_4xx_in_the_openai_shape(server: ServerProcess) -> None:

@@ -7,9 +7,11 @@ On the first SIGTERM or SIGINT:
    ``/health`` answers 503 ``draining``; idle keep-alive connections close;
 2. queued jobs end at once with ``server_shutting_down`` (a 503), except streams, whose answer
    has begun (its head and first chunk are out): they wait for a sequence as before;
+   embeddings waiting for the embedder end the same way;
 3. in-flight requests, and those streams, run on until they finish or ``drain_timeout`` passes;
 4. at the deadline, or on a second signal, every remaining job ends with the shutting-down
-   error event and ``[DONE]`` (a 503 when not streamed); connections get a moment to write it;
+   error event and ``[DONE]`` (a 503 when not streamed, embeddings after their decode in
+   progress); connections get a moment to write it;
 5. the engine stops, context and model are freed, and ``serve`` returns.
 
 On SIGHUP, a hot restart (``server/serve/restart.py``): a new copy of the process starts on the
@@ -190,10 +192,12 @@ class Service:
     def _refuse_queued(self) -> None:
         """No new jobs; queued ones end now with a 503 that a proxy may retry elsewhere, except
         streams, whose answer has begun: they keep their place and run within the drain."""
-        engine = self.state.engine
+        engine, embedder = self.state.engine, self.state.embedder
         if engine is not None:
             engine.stop_admitting()
             engine.fail_queued(ShuttingDown("server is shutting down"), keep_streamed=True)
+        if embedder is not None:
+            embedder.fail_waiting(ShuttingDown("server is shutting down"))
 
     async def _accept(
         self, listener: trio.SocketListener, handler: _Handler, connections: trio.Nursery, limit: trio.Semaphore
@@ -263,9 +267,12 @@ class Service:
         with trio.move_on_after(self.settings.drain_timeout):
             await self._force.wait()
         logger.info("drain deadline reached: ending the remaining requests")
-        engine = self.state.engine
+        engine, embedder = self.state.engine, self.state.embedder
         if engine is not None:
             engine.abort_all(ShuttingDown("server is shutting down"))
+        if embedder is not None:
+            embedder.abort_all(ShuttingDown("server is shutting down"))
+            await embedder.idle()  # its decode in progress ends first; then its 503 is written
         deadline = trio.current_time() + FINAL_WRITE_GRACE
         connections.deadline = deadline
         for connection in list(self._connections):
