@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from server.engine import EngineStats
+from server.engine import EmbedderStats, EngineStats
 from server.engine.compiler import CompileStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -21,12 +21,31 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
 class _EngineCollector(Collector):
     """Reads the engine's statistics at scrape time."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], draining: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats | None],
+        draining: Callable[[], bool],
+        embedder: Callable[[], EmbedderStats | None],
+    ) -> None:
         self._stats = stats
         self._draining = draining
+        self._embedder = embedder
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("llama_trio_draining", "1 while the server drains for shutdown", value=self._draining())
+        embedder = self._embedder()
+        if embedder is not None:
+            yield GaugeMetricFamily(
+                "llama_trio_embedding_requests",
+                "embeddings requests in progress (embedding or waiting for their turn)",
+                value=embedder.requests,
+            )
+            yield CounterMetricFamily("llama_trio_embedded_inputs", "inputs embedded", value=embedder.inputs)
+            yield CounterMetricFamily(
+                "llama_trio_embeddings_ended_early",
+                "embeddings requests ended before all their inputs were embedded (the client gone, the drain)",
+                value=embedder.ended_early,
+            )
         stats = self._stats()
         if stats is None:
             return
@@ -151,6 +170,7 @@ class Metrics:
         draining: Callable[[], bool],
         models: Callable[[], list[ModelRow]] = list,
         grammars: Callable[[], CompileStats | None] = lambda: None,
+        embedder: Callable[[], EmbedderStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -171,7 +191,7 @@ class Metrics:
             buckets=_TOKEN_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(stats, draining))
+        self.registry.register(_EngineCollector(stats, draining, embedder))
         self.registry.register(_ModelCollector(models))
         self.registry.register(_GrammarCollector(grammars))
 

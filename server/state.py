@@ -12,8 +12,9 @@ import dataclasses
 
 import trio
 
-from server.engine import Engine, EngineStats
+from server.engine import EmbedderStats, Engine, EngineStats
 from server.engine.compiler import CompileStats
+from server.engine.embedder import Embedder
 from server.metrics import Metrics, ModelRow
 from server.models.registry import ModelRegistry
 from server.models.runtime import ModelInfo, TemplateFileError
@@ -27,7 +28,9 @@ class ServerState:
         self.settings = settings
         self.models = ModelRegistry(settings)
         self.draining = False
-        self.metrics = Metrics(self.engine_stats, lambda: self.draining, self.model_rows, self.compile_stats)
+        self.metrics = Metrics(
+            self.engine_stats, lambda: self.draining, self.model_rows, self.compile_stats, self.embedder_stats
+        )
 
     @property
     def ready(self) -> trio.Event:
@@ -39,6 +42,20 @@ class ServerState:
 
     def engines(self) -> list[Engine]:
         return list(self.models.engines())
+
+    def embedders(self) -> list[Embedder]:
+        return [r.embedder for r in self.models.runtimes() if r.embedder is not None]
+
+    def embedder_stats(self) -> EmbedderStats | None:
+        """The embedders' statistics together (the loaded models'); None when none runs."""
+        found = [e.stats for e in self.embedders()]
+        if not found:
+            return None
+        total = EmbedderStats()
+        for stats in found:
+            for field in dataclasses.fields(EmbedderStats):
+                setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+        return total
 
     def engine_stats(self) -> EngineStats | None:
         """Every model's engine statistics together (counters include unloaded engines'); None

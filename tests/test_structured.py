@@ -186,6 +186,30 @@ def test_json_object_completion_and_llama_server_fields(server: ServerProcess) -
     assert text["choices"][0]["message"]["content"]
 
 
+def test_json_object_with_llama_servers_schema_follows_it(server: ServerProcess) -> None:
+    # llama-server's form: the object's own schema beside type json_object (before: ignored).
+    schema = {"type": "object", "properties": {"answer": {"const": "42"}}, "required": ["answer"]}
+    body = {"response_format": {"type": "json_object", "schema": schema}, "max_tokens": 40}
+    jsonschema.validate(json.loads(chat(server, body)["choices"][0]["message"]["content"]), schema)
+    jsonschema.validate(json.loads(stream_chat(server, body).text), schema)
+    # Any schema, as llama-server takes it, not only an object's.
+    answer = chat(server, {"response_format": {"type": "json_object", "schema": {"const": "42"}}})["choices"][0]
+    assert answer["message"]["content"] == '"42"'
+
+
+@pytest.mark.parametrize(
+    ("schema", "param"),
+    [(123, "response_format.schema"), ({"type": 123}, "response_format.schema"), ([], "response_format.schema")],
+    ids=["number", "bad-type", "list"],
+)
+def test_json_object_with_an_invalid_schema_is_a_400(server: ServerProcess, schema: Any, param: str) -> None:
+    body = {"messages": ASK, "response_format": {"type": "json_object", "schema": schema}}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value")
+
+
 def test_max_tokens_first_ends_with_length_and_a_prefix(server: ServerProcess) -> None:
     body = {"response_format": response_format(SCHEMAS["defs-ref"]), "max_tokens": 5, "temperature": 0}
     choice = chat(server, body)["choices"][0]

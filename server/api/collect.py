@@ -14,13 +14,13 @@ class Collected:
 
     def __init__(self, echo: str = "") -> None:
         self.texts: list[str] = [echo] if echo else []
-        self.logprobs: list[tuple[tuple[TokenLogprob, ...], str]] = []
+        self.logprobs: list[TokenLogprob] = []
         self.finish = "cancelled"
         self.usage: Usage | None = None
 
     def add(self, piece: Piece) -> None:
         self.texts.append(piece.text)
-        self.logprobs.append((piece.logprobs, piece.text))
+        self.logprobs += piece.logprobs
         if piece.finish_reason:
             self.finish, self.usage = piece.finish_reason, piece.usage
 

@@ -43,15 +43,15 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
     choices = await collect(prepared, trace)
     usage = schema.UsageInfo.model_validate(usage_payload(merged_usage([c.usage for c in choices if c.usage])))
     head: dict[str, Any] = {"id": id_, "created": created, "model": model.id, "system_fingerprint": model.fingerprint}
-    token_bytes = prepared.engine.vocab.piece
+    vocab = prepared.engine.vocab
     if chat:
-        return json_response(_chat_completion(head, choices, usage, prepared, token_bytes))
+        return json_response(_chat_completion(head, choices, usage, prepared, vocab))
     completion_choices = [
         schema.CompletionChoice(
             index=index,
             text=choice.text,
             finish_reason=choice.finish,
-            logprobs=logprobs.completion_whole(choice.logprobs, token_bytes) if prepared.logprobs else None,
+            logprobs=logprobs.completion_whole(choice.logprobs, vocab) if prepared.logprobs else None,
         )
         for index, choice in enumerate(choices)
     ]
@@ -63,14 +63,14 @@ def _chat_completion(
     choices: list[Collected],
     usage: schema.UsageInfo,
     prepared: Prepared,
-    token_bytes: logprobs.TokenBytes,
+    vocab: logprobs.Vocabulary,
 ) -> dict[str, Any]:
     chat_choices = []
     for index, choice in enumerate(choices):
         message, finish = _assistant_message(choice.text, choice.finish, tools=prepared.tools)
         chat_logprobs = None
         if prepared.logprobs:
-            content = logprobs.chat_content([t for items, _ in choice.logprobs for t in items], token_bytes)
+            content = logprobs.chat_content(choice.logprobs, vocab)
             chat_logprobs = {"content": content, "refusal": None}
         choice_out = schema.ChatChoice(index=index, message=message, finish_reason=finish, logprobs=chat_logprobs)
         chat_choices.append(choice_out)

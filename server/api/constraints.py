@@ -138,7 +138,10 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
     specs: list[tuple[GrammarKind, str, str]] = []
     form = req.response_format
     if form is not None and form.type == "json_object":
-        specs.append(("json_schema", '{"type": "object"}', "response_format"))
+        if form.object_schema is not None:  # llama-server's form: the object's own schema
+            specs.append(("json_schema", _compact(form.object_schema), "response_format.schema"))
+        else:
+            specs.append(("json_schema", '{"type": "object"}', "response_format"))
     elif form is not None and form.type == "json_schema":
         if form.json_schema is None or form.json_schema.json_schema is None:
             param = "response_format.json_schema" + (".schema" if form.json_schema is not None else "")

@@ -13,6 +13,7 @@ from server.api import schema
 from server.api.errors import ApiError
 from server.api.preflight import model_lease, off_loop, read_json, refuse_unsupported, resolve, tokenizing
 from server.api.respond import json_response
+from server.engine import EngineError
 from server.models.registry import Lease
 from server.state import ServerState
 
@@ -20,8 +21,8 @@ from server.state import ServerState
 async def embed(state: ServerState) -> Response:
     """Answer the current ``/v1/embeddings`` request.
 
-    *Cancellation*: the embedder stops between decodes; tokenizing in a worker thread is
-    waited for.
+    *Cancellation*: the embedder stops between decodes (the client went away; the drain ends
+    it with a 503); tokenizing in a worker thread is waited for.
     """
     req: schema.EmbeddingRequest = await read_json(schema.EmbeddingRequest)
     refuse_unsupported(req)
@@ -69,7 +70,10 @@ async def _embed(req: schema.EmbeddingRequest, lease: Lease) -> Response:
             raise ApiError(400, message, param=where, code="invalid_value")
         if max(tokens) >= vocab.n_tokens:
             raise ApiError(400, "a token id is not in the vocabulary", param=where, code="invalid_value")
-    vectors = await embedder.embed(inputs)
+    try:
+        vectors = await embedder.embed(inputs)
+    except EngineError as exc:  # the drain: before its turn, or at its deadline
+        raise ApiError.from_engine(exc) from None
     as_base64 = req.encoding_format == "base64"
     data = [
         {"object": "embedding", "index": i, "embedding": _base64(v) if as_base64 else v} for i, v in enumerate(vectors)

@@ -27,7 +27,7 @@ class OpenAIStream:
         if prepared.tools:
             self._answer = _ToolAnswer(framer, prepared.tools)
         elif prepared.logprobs:
-            self._answer = _LogprobAnswer(framer, prepared.engine.vocab.piece)
+            self._answer = _LogprobAnswer(framer, prepared.engine.vocab)
         else:
             self._answer = _TextAnswer(framer)
 
@@ -85,19 +85,19 @@ class _TextAnswer:
 class _LogprobAnswer(_TextAnswer):
     """Each piece one chunk with its text and its tokens' log-probabilities."""
 
-    def __init__(self, framer: sse.ChunkFramer, token_bytes: logprobs.TokenBytes) -> None:
+    def __init__(self, framer: sse.ChunkFramer, vocab: logprobs.Vocabulary) -> None:
         super().__init__(framer)
-        self._token_bytes = token_bytes
+        self._vocab = vocab
         self._completions: dict[int, logprobs.CompletionLogprobs] = {}  # text offsets, per choice
 
     def feed(self, piece: Piece) -> Sequence[bytes]:
         if not piece.text and not piece.logprobs:
             return ()
         if self._framer.chat:
-            payload = {"content": logprobs.chat_content(piece.logprobs, self._token_bytes), "refusal": None}
+            payload = {"content": logprobs.chat_content(piece.logprobs, self._vocab), "refusal": None}
         else:
-            reader = self._completions.setdefault(piece.index, logprobs.CompletionLogprobs(self._token_bytes))
-            payload = reader.payload(piece.logprobs, piece.text)
+            reader = self._completions.setdefault(piece.index, logprobs.CompletionLogprobs(self._vocab))
+            payload = reader.payload(piece.logprobs)
         return (self._framer.text(piece.text, logprobs=payload, index=piece.index),)
 
 

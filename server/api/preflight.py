@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -36,6 +37,9 @@ INLINE_BODY_BYTES = 32 * 1024
 INLINE_WORK_CHARS = 2_048
 CHARS_PER_MESSAGE = 32
 MAX_PARAM_NAME = 64  # an unknown field's name, as echoed back in an error
+# A UTF-16 surrogate left in a parsed string: JSON's "\ud800" escape without its pair (a valid
+# pair is joined into one character by the parser), which is not Unicode text.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 T = TypeVar("T")
 
@@ -59,6 +63,10 @@ def _parse(model: type[pydantic.BaseModel], raw: str | bytes) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    where = _lone_surrogate(payload)
+    if where is not None:
+        message = f"{where}: the text contains a lone UTF-16 surrogate (invalid Unicode)"
+        raise ApiError(400, message, param=where[:MAX_PARAM_NAME], code="invalid_value")
     try:
         return model.model_validate(payload)
     except pydantic.ValidationError as exc:
@@ -67,6 +75,38 @@ def _parse(model: type[pydantic.BaseModel], raw: str | bytes) -> Any:
         raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param, code="invalid_value") from None
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
+
+
+def _lone_surrogate(payload: dict[str, Any]) -> str | None:
+    """Where the first string (or object key) of ``payload`` holds a lone surrogate, as a
+    field path (``messages[0].content``), or None: every text field of every route is checked
+    here, before any of it is used."""
+    stack: list[tuple[Any, str]] = [(payload, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                return path
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        children = []
+        for key, child in items:
+            step = _step(path, key)
+            if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                return step
+            if isinstance(child, str | dict | list):
+                children.append((child, step))
+        stack.extend(reversed(children))
+    return None
+
+
+def _step(path: str, key: str | int) -> str:
+    """``path`` one level down: ``[0]``, ``.name``, or a quoted key that is no identifier."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    if key.isidentifier():
+        return f"{path}.{key}" if path else key
+    return f"{path}[{json.dumps(key)}]"
 
 
 class Refusable(Protocol):

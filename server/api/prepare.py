@@ -69,7 +69,7 @@ def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParam
         top_k=DEFAULT_TOP_K if req.top_k is None else min(req.top_k, n_vocab),
         top_p=1.0 if req.top_p is None else req.top_p,
         min_p=DEFAULT_MIN_P if req.min_p is None else req.min_p,
-        seed=None if req.seed is None else req.seed & 0xFFFFFFFF,
+        seed=req.seed,
         repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
@@ -187,7 +187,7 @@ def _prompt(req: schema.ChatCompletionRequest | schema.CompletionRequest, engine
     if isinstance(req, schema.ChatCompletionRequest):
         template = info.template
         use = tool_use(req, native=tools.knows_tools(template.source))
-        messages = _chat_messages(req, use)
+        messages = _chat_messages(req, use, template.named_roles)
         template_tools = use.template_tools if use is not None else None
 
         def render_chat() -> list[list[int]]:
@@ -234,9 +234,13 @@ def _logprobs_wanted(req: schema.ChatCompletionRequest | schema.CompletionReques
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def _chat_messages(req: schema.ChatCompletionRequest, use: ToolUse | None) -> list[dict[str, str]]:
-    """The request's messages as role/content pairs for the template; a history with tool
-    calls and results is rewritten for templates that know no tools (``tools.conversation``)."""
+def _chat_messages(
+    req: schema.ChatCompletionRequest, use: ToolUse | None, named_roles: frozenset[str]
+) -> list[dict[str, str]]:
+    """The request's messages as role/content pairs for the template (with a ``name`` where
+    the template renders names for that role: ``named_roles``; refused where it does not); a
+    history with tool calls and results is rewritten for templates that know no tools
+    (``tools.conversation``)."""
     messages: list[dict[str, Any]] = []
     with_tools = use is not None
     for i, message in enumerate(req.messages):
@@ -246,6 +250,11 @@ def _chat_messages(req: schema.ChatCompletionRequest, use: ToolUse | None) -> li
             raise ApiError(400, str(exc), param=f"messages[{i}].content[{exc.index}].type") from None
         role = "system" if message.role == "developer" else message.role
         entry: dict[str, Any] = {"role": role, "content": text}
+        if message.name is not None and message.role != "tool":
+            if role not in named_roles:
+                problem = f"this model's chat template does not render the name of a {role} message"
+                raise ApiError(400, problem, param=f"messages[{i}].name", code="unsupported_parameter")
+            entry["name"] = message.name
         if message.role == "tool":
             if message.tool_call_id is None:
                 message_ = "a tool message needs the tool_call_id of the call it answers"

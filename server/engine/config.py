@@ -1,4 +1,5 @@
-"""How an engine is shaped (``EngineConfig``) and what it reports (``EngineStats``)."""
+"""How an engine is shaped (``EngineConfig``) and what it and the embedder report
+(``EngineStats``, ``EmbedderStats``)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,12 @@ class EngineStats:
     prompt_cache_save_seconds: float = 0.0
     prompt_cache_restore_seconds: float = 0.0
     cancellations: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
+
+
+@dataclass
+class EmbedderStats:
+    """What the embedder keeps up to date; read it, never write it."""
+
+    requests: int = 0  # in progress: embedding, or waiting for their turn
+    inputs: int = 0  # inputs embedded, all requests together
+    ended_early: int = 0  # requests that ended before all their inputs were embedded

@@ -58,7 +58,7 @@ class Job:
         is reproducible (no seed: each draws its own)."""
         if index == 0 or self.sampling.seed is None:
             return self.sampling
-        return dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) & 0xFFFFFFFF)
+        return dataclasses.replace(self.sampling, seed=self.sampling.seed + index)
 
 
 @dataclass(frozen=True)

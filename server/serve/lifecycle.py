@@ -7,9 +7,11 @@ On the first SIGTERM or SIGINT:
    ``/health`` answers 503 ``draining``; idle keep-alive connections close;
 2. queued jobs end at once with ``server_shutting_down`` (a 503), except streams, whose answer
    has begun (its head and first chunk are out): they wait for a sequence as before;
+   embeddings waiting for the embedder end the same way;
 3. in-flight requests, and those streams, run on until they finish or ``drain_timeout`` passes;
 4. at the deadline, or on a second signal, every remaining job ends with the shutting-down
-   error event and ``[DONE]`` (a 503 when not streamed); connections get a moment to write it;
+   error event and ``[DONE]`` (a 503 when not streamed, embeddings after their decode in
+   progress); connections get a moment to write it;
 5. the engine stops, context and model are freed, and ``serve`` returns.
 
 On SIGHUP, a hot restart (``server/serve/restart.py``): a new copy of the process starts on the
@@ -195,6 +197,8 @@ class Service:
             engine.stop_admitting()
             engine.fail_queued(ShuttingDown("server is shutting down"), keep_streamed=True)
         self.state.stop_compiles()
+        for embedder in self.state.embedders():
+            embedder.fail_waiting(ShuttingDown("server is shutting down"))
 
     async def _accept(
         self, listener: trio.SocketListener, handler: _Handler, connections: trio.Nursery, limit: trio.Semaphore
@@ -266,6 +270,9 @@ class Service:
         logger.info("drain deadline reached: ending the remaining requests")
         for engine in self.state.engines():
             engine.abort_all(ShuttingDown("server is shutting down"))
+        for embedder in self.state.embedders():
+            embedder.abort_all(ShuttingDown("server is shutting down"))
+            await embedder.idle()  # its decode in progress ends first; then its 503 is written
         deadline = trio.current_time() + FINAL_WRITE_GRACE
         connections.deadline = deadline
         for connection in list(self._connections):
