@@ -25,6 +25,7 @@ from server.engine.grammar import GrammarCache, build_tokenizer
 from server.metrics import Metrics
 from server.model_files import default_model_path
 from server.settings import Settings
+from server.store import MIB, ResponseStore
 
 logger = logging.getLogger("llama_trio.state")
 
@@ -74,6 +75,9 @@ class ServerState:
         self.metrics = Metrics(lambda: self.engine.stats if self.engine else None, lambda: self.draining)
         self._grammars: GrammarCache | None = None
         self._grammars_lock = trio.Lock()
+        # Opened now, before any event loop (a bad --responses-db fails the start); closed by
+        # ``run_store``.
+        self.responses = ResponseStore(settings.responses_db, int(settings.responses_max_mb * MIB))
 
     async def grammars(self) -> GrammarCache:
         """The grammar compiler for the loaded model, made on first use (llguidance's view of
@@ -98,6 +102,17 @@ class ServerState:
         """Let ``run_engine`` finish (aborting a model load in progress)."""
         self._progress.abort()
         self._stop.set()
+
+    async def run_store(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the responses store open until ``stop_engine``, then close it.
+
+        *Cancellation*: the store is closed (shielded) once no call on it is running.
+        """
+        task_status.started()
+        try:
+            await self._stop.wait()
+        finally:
+            await self.responses.aclose()
 
     async def run_engine(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, serve with the engine until ``stop_engine``, then free everything.

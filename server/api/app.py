@@ -42,6 +42,7 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
 def _run_engine_in_lifespan(app: QuartTrio, state: ServerState) -> None:
     @app.before_serving
     async def start_engine() -> None:
+        await app.nursery.start(state.run_store)
         await app.nursery.start(state.run_engine)
 
     @app.after_serving
