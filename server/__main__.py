@@ -29,6 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from server.serve.lifecycle import Service
     from server.serve.restart import take_ready_fd
     from server.state import TemplateFileError
+    from server.store import StoreError
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sock = inherited_socket(settings.fd, os.environ)
         service = Service(settings, sock, inherited=sock is not None, ready_fd=ready_fd)
-    except (ListenError, DefaultModelMissing, TemplateFileError, ModelSpecError) as exc:
+    except (ListenError, DefaultModelMissing, TemplateFileError, ModelSpecError, StoreError) as exc:
         print(f"llama-trio: {exc}", file=sys.stderr)
         return 2
     host = service.sock.getsockname()[0]

@@ -58,6 +58,8 @@ class Settings:
     api_key_file: str | None = None
     max_queue: int = 64
     cache_ram: int = 2048  # MiB
+    responses_db: str | None = None  # None: stored responses in memory
+    responses_max_mb: float = 64.0
     max_tokens: int | None = None  # ceiling on any request's max_tokens
     drain_timeout: float = 30.0
     max_body: int = 4 * 1024 * 1024
@@ -128,6 +130,11 @@ _HELP = {
     "cache_ram": (
         "MiB of host RAM for prompt prefixes evicted from the sequences, restored when a prompt extends one (0: off)"
     ),
+    "responses_db": (
+        "SQLite file for stored responses (/v1/responses), kept across restarts and shared with a hot "
+        "restart's new process (default: in memory)"
+    ),
+    "responses_max_mb": "MiB of stored responses kept (oldest out)",
     "max_tokens": "ceiling on any request's max_tokens (also the default when a request sets none)",
     "drain_timeout": "seconds in-flight requests may run after SIGTERM",
     "max_body": "largest request body in bytes (413 above)",
@@ -234,7 +241,15 @@ def _kind(name: str) -> type:
     value = getattr(defaults, name)
     if name == "model":
         return tuple
-    if name in {"alias", "api_key_file", "chat_template_file", "pooling", "models_dir", "models_preset"}:
+    if name in {
+        "alias",
+        "api_key_file",
+        "chat_template_file",
+        "pooling",
+        "models_dir",
+        "models_preset",
+        "responses_db",
+    }:
         return str
     if name in {"max_tokens", "fd", "models_max", "models_max_mb"}:
         return int
@@ -304,6 +319,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error("--pooling must be mean, cls or last")
     if settings.cache_ram < 0:
         parser.error("--cache-ram must be 0 (off) or a number of MiB")
+    if not settings.responses_max_mb > 0:  # also NaN
+        parser.error("--responses-max-mb must be a positive number of MiB (fractions allowed)")
     if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
         parser.error("--ping-interval must be a positive number of seconds")
     for name in ("models_max", "models_max_mb"):

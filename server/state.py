@@ -19,6 +19,7 @@ from server.metrics import Metrics, ModelRow
 from server.models.registry import ModelRegistry
 from server.models.runtime import ModelInfo, TemplateFileError
 from server.settings import Settings
+from server.store import MIB, ResponseStore
 
 __all__ = ["ModelInfo", "ServerState", "TemplateFileError"]
 
@@ -31,6 +32,10 @@ class ServerState:
         self.metrics = Metrics(
             self.engine_stats, lambda: self.draining, self.model_rows, self.compile_stats, self.embedder_stats
         )
+        # Opened now, before any event loop (a bad --responses-db fails the start); closed by
+        # ``run_store``.
+        self.responses = ResponseStore(settings.responses_db, int(settings.responses_max_mb * MIB))
+        self._store_closing = trio.Event()
 
     @property
     def ready(self) -> trio.Event:
@@ -42,6 +47,17 @@ class ServerState:
 
     def engines(self) -> list[Engine]:
         return list(self.models.engines())
+
+    async def run_store(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the responses store open until ``stop_models``, then close it.
+
+        *Cancellation*: the store is closed (shielded) once no call on it is running.
+        """
+        task_status.started()
+        try:
+            await self._store_closing.wait()
+        finally:
+            await self.responses.aclose()
 
     def embedders(self) -> list[Embedder]:
         return [r.embedder for r in self.models.runtimes() if r.embedder is not None]
@@ -112,8 +128,9 @@ class ServerState:
             runtime.stop_compiles()
 
     def stop_models(self) -> None:
-        """Let ``run_models`` finish (aborting loads in progress)."""
+        """Let ``run_models`` and ``run_store`` finish (aborting loads in progress)."""
         self.models.close()
+        self._store_closing.set()
 
     async def run_models(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the models until ``stop_models``, then free everything.

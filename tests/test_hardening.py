@@ -327,7 +327,10 @@ def test_cors_preflight_reflects_requested_headers_and_varies_on_origin(server: 
         server.url + "/v1/models",
         headers={"Origin": ORIGIN, "Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "a b"},
     )
-    assert weird.headers["access-control-allow-headers"] == "Authorization, Content-Type, X-Api-Key"
+    assert (
+        weird.headers["access-control-allow-headers"]
+        == "Authorization, Content-Type, X-Api-Key, Anthropic-Version, Anthropic-Beta"
+    )
 
 
 def test_405_carries_allow(server: ServerProcess) -> None:

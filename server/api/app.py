@@ -9,9 +9,11 @@ from __future__ import annotations
 from quart_trio import QuartTrio
 
 from server.api import middleware
+from server.api.anthropic import anthropic
 from server.api.openai import openai
 from server.api.ops import PUBLIC, ops
 from server.api.respond import STATE_KEY
+from server.api.responses import responses
 from server.api.webui import add_webui
 from server.settings import Settings, settings_from_env
 from server.state import ServerState
@@ -34,6 +36,8 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
     middleware.install(app, state, public)
     app.register_blueprint(ops)
     app.register_blueprint(openai)
+    app.register_blueprint(responses)
+    app.register_blueprint(anthropic)
     if owns_engine:
         _run_models_in_lifespan(app, state)
     return app
@@ -42,6 +46,7 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
 def _run_models_in_lifespan(app: QuartTrio, state: ServerState) -> None:
     @app.before_serving
     async def start_models() -> None:
+        await app.nursery.start(state.run_store)
         await app.nursery.start(state.run_models)
 
     @app.after_serving

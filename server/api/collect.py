@@ -16,13 +16,14 @@ class Collected:
         self.texts: list[str] = [echo] if echo else []
         self.logprobs: list[TokenLogprob] = []
         self.finish = "cancelled"
+        self.stop_sequence: str | None = None  # the stop string that ended it
         self.usage: Usage | None = None
 
     def add(self, piece: Piece) -> None:
         self.texts.append(piece.text)
         self.logprobs += piece.logprobs
         if piece.finish_reason:
-            self.finish, self.usage = piece.finish_reason, piece.usage
+            self.finish, self.usage, self.stop_sequence = piece.finish_reason, piece.usage, piece.stop_sequence
 
     @property
     def text(self) -> str:

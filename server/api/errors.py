@@ -6,6 +6,8 @@ stream uses these; a dialect renders an ``ApiError`` in its own shape (OpenAI's
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 
 from quart import Response
 
@@ -41,6 +43,25 @@ class ApiError(Exception):
         return Response(
             json.dumps(self.body()), status=self.status, headers=self.headers, content_type="application/json"
         )
+
+    def renamed(self, names: Sequence[tuple[str, str]]) -> ApiError:
+        """This error with its ``param`` (and a message that starts with it) in another
+        dialect's terms: ``names`` are (pattern, replacement) pairs, regular expressions that
+        match a whole leading part of ``param`` (up to a ``.``, a ``[`` or its end); the first
+        that matches is applied. As it is when none does."""
+        param = self.param
+        if param is None:
+            return self
+        for pattern, own in names:
+            match = re.match(f"(?:{pattern})(?=$|[.\\[])", param)
+            if match is None:
+                continue
+            renamed = match.expand(own) + param[match.end() :]
+            message = renamed + self.message[len(param) :] if self.message.startswith(param) else self.message
+            error = ApiError(self.status, message, type_=self.type, param=renamed, code=self.code)
+            error.headers = self.headers
+            return error
+        return self
 
     @classmethod
     def unavailable(cls, message: str, *, code: str) -> ApiError:

@@ -24,8 +24,8 @@ logger = logging.getLogger("llama_trio.access")
 
 # CORS: what a preflight allows when it names no headers, and the shape of a header list we
 # reflect (header names as RFC 9110 tokens, comma-separated; anything else gets the default).
-CORS_DEFAULT_HEADERS = "Authorization, Content-Type, X-Api-Key"
-CORS_METHODS = "GET, POST, OPTIONS"
+CORS_DEFAULT_HEADERS = "Authorization, Content-Type, X-Api-Key, Anthropic-Version, Anthropic-Beta"
+CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_MAX_AGE = "600"
 _HEADER_LIST = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+(?:[ \t]*,[ \t]*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")
 MAX_CORS_HEADER_LIST = 2048
@@ -82,9 +82,9 @@ def _install_auth(app: QuartTrio, settings: Settings, public: frozenset[str]) ->
         ok = False
         for key in api_keys:  # constant time per key; every key is checked
             ok |= hmac.compare_digest(given_bytes, key.encode())
-        if not ok:
+        if not ok:  # raised, so that the route's own error shape renders it
             message = "invalid API key" if given else "missing API key (Authorization: Bearer <key>)"
-            return ApiError(401, message, type_="authentication_error", code="invalid_api_key").response()
+            raise ApiError(401, message, type_="authentication_error", code="invalid_api_key")
         # Each key is its own tenant for the prefix and grammar caches (prepare.cache_scope).
         g.tenant = hashlib.sha256(given_bytes).hexdigest()
         return None
@@ -128,27 +128,37 @@ def _install_error_handlers(app: QuartTrio, settings: Settings) -> None:
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
-        status = exc.code or 500
-        method, path = _method_and_path()
-        message = {
-            404: f"no route for {path}",
-            405: f"{method} is not allowed on {path}",
-            413: f"request body is larger than {settings.max_body} bytes",
-        }.get(status, exc.description or exc.name)
-        type_ = "invalid_request_error" if status < 500 else "server_error"
-        headers = {}
-        if status in {408, 413}:  # the body was not read (whole): no other request can follow
-            headers["Connection"] = "close"
-        allow = dict(exc.get_headers()).get("Allow")
-        if allow:  # 405: RFC 9110 15.5.6
-            headers["Allow"] = allow
-        return ApiError(status, message, type_=type_, code=_HTTP_CODES.get(status), headers=headers).response()
+        return as_api_error(exc, settings.max_body).response()
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
-        method, path = _method_and_path()
-        logger.exception("unhandled error on %s %s", method, path)
-        return ApiError(500, "internal server error", type_="server_error", code="internal_error").response()
+        return as_api_error(exc, settings.max_body).response()
+
+
+def as_api_error(exc: Exception, max_body: int) -> ApiError:
+    """Anything a route raised as the ``ApiError`` to answer (a dialect renders it in its own
+    shape): itself, an HTTP error (404, 405, 408, 413...), or a 500 for anything else (a bug,
+    logged with its traceback)."""
+    if isinstance(exc, ApiError):
+        return exc
+    method, path = _method_and_path()
+    if not isinstance(exc, HTTPException):
+        logger.exception("unhandled error on %s %s", method, path, exc_info=exc)
+        return ApiError(500, "internal server error", type_="server_error", code="internal_error")
+    status = exc.code or 500
+    message = {
+        404: f"no route for {path}",
+        405: f"{method} is not allowed on {path}",
+        413: f"request body is larger than {max_body} bytes",
+    }.get(status, exc.description or exc.name)
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    headers = {}
+    if status in {408, 413}:  # the body was not read (whole): no other request can follow
+        headers["Connection"] = "close"
+    allow = dict(exc.get_headers()).get("Allow")
+    if allow:  # 405: RFC 9110 15.5.6
+        headers["Allow"] = allow
+    return ApiError(status, message, type_=type_, code=_HTTP_CODES.get(status), headers=headers)
 
 
 def _method_and_path() -> tuple[str, str]:

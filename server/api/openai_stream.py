@@ -60,6 +60,9 @@ class OpenAIStream:
             return None
         return self._framer.text
 
+    def direct_written(self) -> None:
+        pass  # OpenAI's chunks are not numbered
+
 
 class _Answer(Protocol):
     """How an answer's pieces become chunks, and what its finish reason is called."""

@@ -42,6 +42,7 @@ MAX_PARAM_NAME = 64  # an unknown field's name, as echoed back in an error
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 T = TypeVar("T")
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 
 async def read_json(model: type[pydantic.BaseModel]) -> Any:
@@ -67,11 +68,19 @@ def _parse(model: type[pydantic.BaseModel], raw: str | bytes) -> Any:
     if where is not None:
         message = f"{where}: the text contains a lone UTF-16 surrogate (invalid Unicode)"
         raise ApiError(400, message, param=where[:MAX_PARAM_NAME], code="invalid_value")
+    return validate(model, payload)
+
+
+def validate(model: type[M], payload: Any, at: str = "") -> M:
+    """``payload`` validated as ``model``; a 400 naming the first bad field otherwise (under
+    ``at``, the field ``payload`` came from, when it is part of a request)."""
     try:
         return model.model_validate(payload)
     except pydantic.ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         param = param_from_loc(tuple(first["loc"]))
+        if at:
+            param = at + ("" if param is None else param if param.startswith("[") else "." + param)
         raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param, code="invalid_value") from None
     except RecursionError:
         raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None

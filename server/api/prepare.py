@@ -10,14 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from quart import g
-
 import ffi
 from server.api import schema, tools
 from server.api.constraints import ToolUse, output_grammar, tool_use
 from server.api.errors import ApiError
 from server.api.preflight import CHARS_PER_MESSAGE, model_lease, off_loop, read_json, refuse_unsupported, tokenizing
 from server.api.prompt import chat_tokens, text_tokens
+from server.api.respond import tenant
 from server.engine import Engine, Job
 from server.models.registry import Lease
 from server.state import ModelInfo, ServerState
@@ -80,7 +79,7 @@ def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParam
 def cache_scope(salt: str | None) -> str:
     """The prefix-cache scope of the current request: its API key's tenant (when keys are
     configured) and its ``cache_salt``. Requests share cached prefixes only within a scope."""
-    return f"{g.get('tenant', '')}:{salt or ''}"
+    return f"{tenant()}:{salt or ''}"
 
 
 async def prepare(state: ServerState, *, chat: bool) -> Prepared:
@@ -123,9 +122,7 @@ async def _prepare(
     chat = isinstance(req, schema.ChatCompletionRequest)
     engine, info, parallel = lease.engine, lease.info, lease.spec.settings.parallel
     param = "messages" if chat else "prompt"
-    prompt = _prompt(req, engine, info)
-    with tokenizing(param):
-        all_tokens = await off_loop(prompt.work, prompt.render)
+    prompt, all_tokens = await _tokens(req, engine, info)
     if not all(all_tokens):
         raise ApiError(400, "the prompt is empty", param=param, code="invalid_value")
     n = req.n or 1
@@ -169,6 +166,30 @@ async def _prepare(
         logprobs=logprobs is not None,
         echo=prompt.echo,
     )
+
+
+async def prompt_tokens(state: ServerState, req: schema.ChatCompletionRequest) -> int:
+    """How many tokens ``req``'s prompt is, built as ``prepare_request`` builds it (tools and
+    all), without generating anything: what the count-tokens routes answer.
+
+    *Cancellation*: as ``prepare_request``.
+    """
+    refuse_unsupported(req)
+    lease = await model_lease(state, req.model)
+    try:
+        _, all_tokens = await _tokens(req, lease.engine, lease.info)
+    finally:
+        lease.release()
+    return sum(len(tokens) for tokens in all_tokens)
+
+
+async def _tokens(
+    req: schema.ChatCompletionRequest | schema.CompletionRequest, engine: Engine, info: ModelInfo
+) -> tuple[_Prompt, list[list[int]]]:
+    """The request's prompt, and its tokens (rendered and tokenized off the loop when large)."""
+    prompt = _prompt(req, engine, info)
+    with tokenizing("messages" if isinstance(req, schema.ChatCompletionRequest) else "prompt"):
+        return prompt, await off_loop(prompt.work, prompt.render)
 
 
 @dataclass(frozen=True)

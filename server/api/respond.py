@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quart import Response, current_app
+from quart import Response, current_app, g
 
 from server.state import ServerState
 
@@ -21,3 +21,8 @@ def current_state() -> ServerState:
 
 def json_response(payload: Any, status: int = 200) -> Response:
     return Response(json.dumps(payload, ensure_ascii=False), status=status, content_type="application/json")
+
+
+def tenant() -> str:
+    """The current request's tenant: its API key's hash when keys are configured, else ""."""
+    return str(g.get("tenant", ""))

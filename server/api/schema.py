@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 16
@@ -72,6 +72,21 @@ class _Request(BaseModel):
     def refused_value(self) -> str | None:
         """The first known field of this object set to a value this server does not do."""
         return None
+
+
+class Known(BaseModel):
+    """A nested object of a request whose every field is known: another field is a 400,
+    unless it is null (it sets nothing; an SDK's response objects, sent back as input, carry
+    such fields)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_nulls(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if v is not None or k in cls.model_fields}
+        return value
 
 
 class StrictRequest(BaseModel):

@@ -32,7 +32,7 @@ re-arms the sink, so backpressure (the sequence pauses) and the write timeout wo
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 import trio
@@ -69,14 +69,30 @@ class StreamDialect(Protocol):
     def direct_text(self) -> Callable[[str], bytes] | None:
         """How a piece of plain text is framed when the engine task writes it directly (it
         must be exactly what ``feed`` would give for it); None when pieces need translating
-        (tool calls, logprobs, several choices), and then every piece goes through ``feed``."""
+        (tool calls, logprobs, several choices), and then every piece goes through ``feed``.
+        The function only renders: a piece it framed may yet be refused by the socket and go
+        through ``feed`` instead; ``direct_written`` says when it went out."""
+        ...
+
+    def direct_written(self) -> None:
+        """The engine task wrote the piece ``direct_text`` framed last: a dialect whose events
+        are numbered (``sequence_number``) counts it here."""
         ...
 
 
-def streamed_response(prepared: Prepared, dialect: StreamDialect, trace: Trace, ping_interval: float) -> Response:
+def streamed_response(
+    prepared: Prepared,
+    dialect: StreamDialect,
+    trace: Trace,
+    ping_interval: float,
+    *,
+    before_closing: Callable[[], Awaitable[None]] | None = None,
+) -> Response:
     """The ``text/event-stream`` response for ``prepared`` in ``dialect``; its job is submitted
-    when Quart starts sending the body."""
-    body = _sse_body(prepared, dialect, trace, ping_interval)
+    when Quart starts sending the body. ``before_closing`` is awaited once the job has ended
+    well, after the dialect rendered its ``closing`` and before that is written: what a client
+    may do as soon as it reads the end (continue a stored response) is possible by then."""
+    body = _sse_body(prepared, dialect, trace, ping_interval, before_closing)
     return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -107,7 +123,11 @@ class _Probe:
 
 
 async def _sse_body(
-    prepared: Prepared, dialect: StreamDialect, trace: Trace, ping_interval: float
+    prepared: Prepared,
+    dialect: StreamDialect,
+    trace: Trace,
+    ping_interval: float,
+    before_closing: Callable[[], Awaitable[None]] | None,
 ) -> AsyncIterator[bytes]:
     """The SSE body. Leaving it for any reason (done, error, the client gone) releases the
     job; when it ends by itself it ends with the dialect's ``closing`` or ``failed``. After
@@ -136,7 +156,9 @@ async def _sse_body(
                 # being sent (when the dialect's opening wrote one; else there is no writer).
                 probe.write = write = transport.body_writer() if transport is not None else None
                 frame = dialect.direct_text()
-                sink = _direct_sink(write, frame, trace) if write is not None and frame is not None else None
+                sink = None
+                if write is not None and frame is not None:
+                    sink = _direct_sink(write, frame, dialect.direct_written, trace)
                 trace.written = trio.current_time()
                 async for events, piece in _events(pieces, dialect, sink, probe, trace, ping_interval):
                     for event in events:
@@ -144,6 +166,8 @@ async def _sse_body(
                     if piece is not None and piece.usage is not None:
                         usages.append(piece.usage)
             closing = dialect.closing(merged_usage(usages) if usages else None)
+            if before_closing is not None:
+                await before_closing()
         except EngineError as exc:
             trace.ending = exc.code
             closing = dialect.failed(ApiError.from_engine(exc, param=prepared.prompt_param))
@@ -187,14 +211,18 @@ async def _events(
         yield events, piece
 
 
-def _direct_sink(write: ChunkWriter, frame: Callable[[str], bytes], trace: Trace) -> PieceSink:
+def _direct_sink(
+    write: ChunkWriter, frame: Callable[[str], bytes], written: Callable[[], None], trace: Trace
+) -> PieceSink:
     """The sink the engine task calls with each piece of this stream: frame it and write it
-    without waiting (True), or refuse (False: the socket would block or is gone, or it is the
-    last piece, which the body sends with the dialect's finish and closing events)."""
+    without waiting (True; ``written`` is told), or refuse (False: the socket would block or is
+    gone, or it is the last piece, which the body sends with the dialect's finish and closing
+    events)."""
 
     def sink(piece: Piece) -> bool:
         if piece.finish_reason is not None or not write(frame(piece.text)):
             return False
+        written()
         trace.piece(piece)
         trace.written = trio.current_time()
         return True

@@ -352,7 +352,8 @@ class Engine:
             # A copy's prompt was its source's: a job's usage is the sum over its choices.
             prompt_tokens = len(choice.prompt) if choice.source is choice else 0
             usage = Usage(prompt_tokens, choice.n_generated, choice.cached_tokens, choice.restored_tokens)
-            self._queue_piece(choice, Piece(text, tokens, verdict.finish, usage, logprobs, choice.index), last=True)
+            piece = Piece(text, tokens, verdict.finish, usage, logprobs, choice.index, choice.stops.matched)
+            self._queue_piece(choice, piece, last=True)
             choice.phase = None
             self.stats.requests_finished += 1
             self._free_slot(slot, keep_cache=True)

@@ -151,6 +151,7 @@ class Service:
                 root.start_soon(self._watch_signals)
                 await root.start(lifespan.handle_lifespan)
                 await lifespan.wait_for_startup()
+                await root.start(self.state.run_store)
                 await root.start(self.state.run_models)
                 root.start_soon(self._stop_if_load_fails)
                 logger.info(
