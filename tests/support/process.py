@@ -20,9 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 # The repository root: the server runs from there, as ``python -m server``.
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"listening on http://(\S+):(\d+)")
-# SmolLM2's <|endoftext|>, <|im_start|> and <|im_end|> as a logit_bias that bans them: a stream
-# runs to max_tokens.
-NO_END_TOKENS = {"0": -100, "1": -100, "2": -100}
+# A logit_bias that bans SmolLM2's end-of-generation tokens (<|endoftext|>, <|im_end|> and, for
+# llama.cpp, <reponame>) and <|im_start|>: an answer runs to max_tokens, whatever is sampled
+# (tests/test_ffi.py checks that these are all the model's end tokens).
+NO_END_TOKENS = {"0": -100, "1": -100, "2": -100, "4": -100}
 
 
 class ServerProcess:
