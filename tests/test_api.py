@@ -17,6 +17,8 @@ from tests.support import sse
 from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.server
+
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
 

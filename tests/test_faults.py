@@ -22,6 +22,8 @@ from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 from tests.support.rawhttp import closed_by_peer, dechunk, request_bytes
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.server
+
 KEEP_ALIVE = 2.0
 WRITE_TIMEOUT = 4.0
 READ_TIMEOUT = 2.0

@@ -28,6 +28,8 @@ import ffi
 from tests.support import sse
 from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 
+pytestmark = pytest.mark.server
+
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
 # The server's ceiling on max_tokens: fuzzed requests that are valid generate at most this many.

@@ -24,12 +24,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support import sse
 from tests.support.ports import free_port, plain_bind, time_wait_on
 from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.support.rawhttp import http_get
 from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.server
 
 SHUTTING_DOWN = {
     "message": "server is shutting down",

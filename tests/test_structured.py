@@ -29,6 +29,8 @@ from tests.support.jsonprefix import parse_prefix
 from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.server
+
 ASK = [{"role": "user", "content": "Describe a fictional person as JSON."}]
 # Room for the longest valid answer of any schema below, every token being at least one byte: the
 # longest is Person's, 285 bytes with each string character at its longest (6 bytes, a \uXXXX

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tests.support import sse
 from tests.support.jsonprefix import close_json, parse_prefix
 from tests.support.ports import free_port, plain_bind
+from tests.support.process import ServerProcess
 from tests.support.rawhttp import closed_by_peer, dechunk, parse_head, request_bytes
 from tests.support.waiting import wait_for
 
@@ -222,3 +223,11 @@ def test_close_json_closes_the_shortest_way(prefix: str, closed: str) -> None:
 def test_what_begins_no_json_text_fails(prefix: str) -> None:
     with pytest.raises(AssertionError, match="not the beginning of a JSON text"):
         parse_prefix(prefix)
+
+
+# -- needs ------------------------------------------------------------------------------------
+
+
+def test_starting_a_server_without_the_marker_fails_before_it_starts() -> None:
+    with pytest.raises(AssertionError, match=r"starts a server process but is not marked `server`"):
+        ServerProcess(["--version"])

@@ -24,6 +24,8 @@ from server.model_files import default_model_path
 from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.test_tools import ASK, CALL_BYTES, SCHEMAS, TOOLS, check_calls, reassembled
 
+pytestmark = pytest.mark.server
+
 # The longest answer of one call in the template's syntax; every token is at least one byte.
 ONE_CALL_TOKENS = len(NATIVE_OPEN) + CALL_BYTES + len(NATIVE_CLOSE)
 

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.needs import needs
+
 # The repository root: the server runs from there, as ``python -m server``.
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"listening on http://(\S+):(\d+)")
@@ -44,6 +46,7 @@ class ServerProcess:
         cwd: pathlib.Path = ROOT,
         pass_fds: Sequence[int] = (),
     ) -> None:
+        needs("server", "a server process")
         cmd = list(argv) if argv is not None else [sys.executable, "-m", "server", "--port", str(port), *args]
         self.proc = subprocess.Popen(
             cmd,
