@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine (Python 3.11, gcc, cmake):
 #   make run    set up what is missing, then serve the default model on 127.0.0.1:8080
 #   make test   set up what is missing, then run the whole test suite
+# and `make test-unit` runs the tests that need no model, server, browser or nginx, in seconds.
 # Setup steps are idempotent and skip themselves when already done.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -13,7 +14,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 CHATS_ARGS ?=
 
-.PHONY: setup pyc run test browser nginx rpc-server bench bench-binding bench-engine lint llama ffi clean
+.PHONY: setup pyc run test test-unit browser nginx rpc-server bench bench-binding bench-engine lint llama ffi clean
 
 setup: ffi $(VENV)/.model pyc
 
@@ -50,6 +51,14 @@ test: setup browser nginx rpc-server
 # llama.cpp's RPC server from the same build (tests/test_offload.py puts layers on two of them).
 rpc-server: llama
 	PYTHON=$(PY) vendor/build.sh ggml-rpc-server
+
+# The tests that need no model, no server process, no browser and no nginx and are not slow
+# (pyproject.toml's markers): pure logic, in seconds. They run with the model hidden
+# (--hide-model), which proves that they need none, and need only the binding built.
+UNIT_TESTS := not model and not server and not browser and not nginx and not slow
+
+test-unit: ffi
+	$(PY) -m pytest -m "$(UNIT_TESTS)" --hide-model $(PYTEST_ARGS)
 
 # Debian packages the tests drive, installed with apt when missing (as root, else through sudo).
 APT := $(if $(filter 0,$(shell id -u)),,sudo )DEBIAN_FRONTEND=noninteractive apt-get

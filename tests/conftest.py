@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+import os
 import pathlib
+import shutil
+import sys
+import tempfile
 
 import pytest
 
-from server.model_files import default_model_path
+from server.model_files import DEFAULT_MODEL_PACKAGE, default_model_path
+from tests.support import needs
+
+# The shared fixtures that need something a marker names: a test that uses one (directly or
+# through other fixtures) gets the marker.
+FIXTURE_MARKERS = {"model_path": "model", "model": "model", "server": "server"}
 
 
 @pytest.fixture(scope="session")
@@ -31,12 +40,44 @@ def server():
         yield proc
 
 
-# -- reliability runs: soak length and fuzzing examples (longer runs: raise them) -------------
+# -- markers: what a test needs (tests/support/needs.py) ---------------------------------------
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    for name in getattr(item, "fixturenames", ()):
+        marker = FIXTURE_MARKERS.get(name)
+        if marker is not None:
+            item.add_marker(marker)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    needs.running(marker.name for marker in item.iter_markers())
+
+
+def hide_model(directory: pathlib.Path) -> None:
+    """Make the default model unfindable, as if its wheel were not installed, for this process
+    and the processes it starts: a stand-in package without the model file, first on the
+    import path (``server/model_files.py`` finds the model through that package)."""
+    package = directory / DEFAULT_MODEL_PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    sys.path.insert(0, str(directory))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))
+    sys.modules.pop(DEFAULT_MODEL_PACKAGE, None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("hide_model"):
+        directory = pathlib.Path(tempfile.mkdtemp(prefix="llama-trio-no-model-"))
+        hide_model(directory)
+        config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+
+
+# -- options: soak length and fuzzing examples (longer runs: raise them); --hide-model --------
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    import os
-
     group = parser.getgroup("llama-trio reliability")
     group.addoption(
         "--soak-seconds",
@@ -49,4 +90,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=int,
         default=int(os.environ.get("LLAMA_TRIO_FUZZ_EXAMPLES", "200")),
         help="hypothesis examples per fuzzed endpoint (env LLAMA_TRIO_FUZZ_EXAMPLES; default 200)",
+    )
+    parser.getgroup("llama-trio markers").addoption(
+        "--hide-model",
+        action="store_true",
+        help="run as if the default model were not installed (make test-unit: proves the tests it runs need no model)",
     )

@@ -21,6 +21,8 @@ from tests.support import sse
 from tests.support.process import ServerProcess
 from tests.support.restarts import hot_restart, restarts_of, wait_pid
 
+pytestmark = pytest.mark.server
+
 GUARD = 60.0  # hang guard for any single wait
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 BOUND_MB = 0.02  # about 20 KB: a few responses with a long input

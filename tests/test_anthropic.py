@@ -19,6 +19,8 @@ from tests.support.process import ServerProcess
 from tests.support.readme import run_examples
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.server
+
 GREEDY = {"temperature": 0}  # the SDK no longer has sampling arguments; the API takes them
 ASK = [{"role": "user", "content": "Pick a color."}]
 COLOR = {

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -14,6 +16,8 @@ import pytest
 from tests.support import sse
 from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.server
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -32,14 +36,17 @@ def sdk(server: ServerProcess):
 
 
 def test_sdk_chat_non_streamed(sdk: openai.OpenAI) -> None:
-    result = sdk.chat.completions.create(model="anything", messages=CHAT, max_tokens=12, temperature=0)
+    # The end tokens banned: whatever the model picks, the answer runs to max_tokens.
+    result = sdk.chat.completions.create(
+        model="anything", messages=CHAT, max_tokens=12, temperature=0, logit_bias=NO_END_TOKENS
+    )
     assert result.object == "chat.completion"
     assert result.id.startswith("chatcmpl-")
     assert result.model == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert result.choices[0].message.role == "assistant"
     assert result.choices[0].message.content
-    assert result.choices[0].finish_reason in {"stop", "length"}
-    assert result.usage is not None and result.usage.completion_tokens <= 12
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage is not None and result.usage.completion_tokens == 12
     assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
 
 
@@ -66,15 +73,19 @@ def test_sdk_chat_streamed_with_usage(sdk: openai.OpenAI) -> None:
 
 
 def test_sdk_completion_streamed(sdk: openai.OpenAI) -> None:
-    chunks = list(
-        sdk.completions.create(model="x", prompt="The capital of France is", max_tokens=8, temperature=0, stream=True)
-    )
+    kwargs: dict[str, Any] = {"model": "x", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    kwargs["logit_bias"] = NO_END_TOKENS
+    chunks = list(sdk.completions.create(**kwargs, stream=True))
     text = "".join(c.choices[0].text for c in chunks)
-    assert "Paris" in text
     assert chunks[-1].choices[0].finish_reason == "length"
-    whole = sdk.completions.create(model="x", prompt="The capital of France is", max_tokens=8, temperature=0)
+    whole = sdk.completions.create(**kwargs, logprobs=2)
     assert whole.choices[0].text == text
     assert whole.object == "text_completion"
+    # The model works: " Paris" is its first token with a probability over one half (about
+    # 0.78), so the greedy choice on any CPU, where rounding moves it by far less.
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
+    assert logprobs.tokens[0] == " Paris" and logprobs.token_logprobs[0] > math.log(0.5)
 
 
 def test_sdk_models_list(sdk: openai.OpenAI) -> None:
@@ -84,10 +95,16 @@ def test_sdk_models_list(sdk: openai.OpenAI) -> None:
 
 def test_stop_sequences_and_seed(sdk: openai.OpenAI) -> None:
     c = sdk
-    full = c.completions.create(model="x", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
-    assert " 6" in full
-    cut = c.completions.create(model="x", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6", "zz"])
-    assert cut.choices[0].text == full[: full.index(" 6")]
+    kwargs: dict[str, Any] = {"model": "x", "prompt": "1, 2, 3, 4,", "max_tokens": 12, "temperature": 0}
+    kwargs["logit_bias"] = NO_END_TOKENS
+    full = c.completions.create(**kwargs).choices[0].text
+    # A stop string taken from the answer itself (whatever this CPU's greedy answer is): two
+    # characters from its middle; the answer is cut where they first occur.
+    middle = len(full) // 2
+    stop = full[middle : middle + 2]
+    assert len(stop) == 2, full
+    cut = c.completions.create(**kwargs, stop=[stop, "zz"])
+    assert cut.choices[0].text == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     a = c.completions.create(model="x", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=42)
     b = c.completions.create(model="x", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=42)
@@ -149,7 +166,7 @@ def test_raw_sse_without_usage_and_completion_shape(server: ServerProcess) -> No
 
 def test_disconnect_mid_stream_stops_decoding(server: ServerProcess) -> None:
     before = server.metrics()
-    body = {"messages": CHAT, "max_tokens": 1000, "stream": True, "temperature": 0.7}
+    body = {"messages": CHAT, "max_tokens": 1000, "stream": True, "temperature": 0.7, "logit_bias": NO_END_TOKENS}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as response:
         lines = response.iter_lines()
         got = 0
@@ -177,7 +194,7 @@ def test_disconnect_mid_stream_stops_decoding(server: ServerProcess) -> None:
 def test_disconnect_while_queued_never_decodes() -> None:
     with ServerProcess(["--parallel", "1", "--ctx-size", "2048"]) as server:
         server.wait_ready()
-        long_body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 150, "temperature": 0}
+        long_body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 150, "temperature": 0, "logit_bias": NO_END_TOKENS}
         result: dict[str, object] = {}
 
         def run_long() -> None:
@@ -190,7 +207,8 @@ def test_disconnect_while_queued_never_decodes() -> None:
         with httpx.stream("POST", server.url + "/v1/completions", json=queued, timeout=120) as response:
             assert response.status_code == 200
             wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1, "the stream to be queued", 20)
-        runner.join(60)
+        runner.join(120)  # the request's own timeout: 150 tokens on a busy machine
+        assert not runner.is_alive()
         wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, "the engine to be idle", 20)
         m = server.metrics()
         assert m["llama_trio_cancellations_total{phase=queued}"] == 1
@@ -267,7 +285,8 @@ def test_context_length_exceeded(server: ServerProcess) -> None:
 
 def test_max_tokens_beyond_context_ends_with_length(server: ServerProcess) -> None:
     prompt = "word " * 1000
-    response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5000, "temperature": 0}, timeout=300)
+    body = {"prompt": prompt, "max_tokens": 5000, "temperature": 0, "logit_bias": NO_END_TOKENS}
+    response = post(server, "/v1/completions", body, timeout=300)
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["choices"][0]["finish_reason"] == "length"
@@ -288,7 +307,7 @@ def test_wrong_method_and_unknown_path(server: ServerProcess) -> None:
 def test_queue_full_is_503_with_retry_after() -> None:
     with ServerProcess(["--parallel", "1", "--max-queue", "1", "--ctx-size", "1024"]) as server:
         server.wait_ready()
-        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 200, "stream": True}
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 200, "stream": True, "logit_bias": NO_END_TOKENS}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120):
             wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 1, "the first stream to start", 20)
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120):

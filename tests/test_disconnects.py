@@ -20,6 +20,8 @@ from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 from tests.support.rawhttp import dechunk, final_response, parse_head, request_bytes
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.server
+
 CHAT = [{"role": "user", "content": "Count from one to a thousand."}]
 ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 # One input fills a decode (at most --batch-size 256 tokens): 256 of them are 256 decodes,

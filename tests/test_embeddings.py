@@ -16,6 +16,8 @@ import pytest
 
 from tests.support.process import ServerProcess, serving
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def embedding_server() -> Iterator[ServerProcess]:

@@ -22,6 +22,8 @@ from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 from tests.support.rawhttp import closed_by_peer, dechunk, request_bytes
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.server
+
 KEEP_ALIVE = 2.0
 WRITE_TIMEOUT = 4.0
 READ_TIMEOUT = 2.0
@@ -55,20 +57,28 @@ def server_sockets(pid: int) -> int:
 
 
 def stream_chat(url: str, max_tokens: int) -> list[dict[str, Any]]:
-    """A streamed chat completion, checked for framing; its JSON events."""
-    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": max_tokens, "stream": True}
+    """A streamed chat completion that runs to ``max_tokens`` (its end tokens banned), checked
+    for framing and its usage; its JSON events."""
+    body = {
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logit_bias": NO_END_TOKENS,
+    }
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         raw = response.read()
     events = sse.parse(raw).chunks
-    assert len(sse.finish_reasons(events)) == 1
+    assert sse.finish_reasons(events) == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == max_tokens
     return events
 
 
 def small_window_stream(port: int, max_tokens: int) -> socket.socket:
-    """A raw socket that has asked for a long streamed chat. Its small window and segment size
-    make the server's writes block after some 200 chunks (on loopback the send buffer would
-    otherwise grow to megabytes)."""
+    """A raw socket that has asked for a long streamed chat (greedy, to max_tokens). Its small
+    window and segment size make the server's writes block after some 200 chunks (on loopback
+    the send buffer would otherwise grow to megabytes)."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
@@ -77,6 +87,7 @@ def small_window_stream(port: int, max_tokens: int) -> socket.socket:
         "messages": [{"role": "user", "content": "Tell me a long story."}],
         "max_tokens": max_tokens,
         "stream": True,
+        "temperature": 0,
         "logit_bias": NO_END_TOKENS,
     }
     sock.sendall(request_bytes("POST", "/v1/chat/completions", body))
@@ -92,8 +103,7 @@ def test_client_that_stops_reading_is_cut_and_stalls_no_one(limited: ServerProce
         wait_for(lambda: limited.metrics()["llama_trio_paused_sequences"] == 1, "the stalled sequence to pause", 120)
         paused_at = time.monotonic()
         # Another stream runs to its end meanwhile.
-        events = stream_chat(limited.url, 12)
-        assert sum(1 for e in events if sse.chunk_text(e)) >= 1
+        stream_chat(limited.url, 12)
         # The stalled connection is cut after the write timeout; its sequence and cells are freed.
         wait_for(
             lambda: limited.metrics()["llama_trio_active_sequences"] == 0,
@@ -135,7 +145,9 @@ def test_slow_reader_gets_every_byte_of_a_stream_whose_writes_blocked(limited: S
     events = sse.parse(dechunk(chunked), comments=False).chunks
     contents = [e for e in events if sse.chunk_text(e)]
     assert sse.finish_reasons(events) == ["length"]
-    assert len(contents) >= max_tokens * 0.9  # a piece per token, but for ones held back by the detokenizer
+    # A piece per token, but for ones held back by the detokenizer (parts of a character):
+    # greedy English text has next to none, on any CPU.
+    assert len(contents) >= max_tokens * 0.9
     assert limited.metrics()["llama_trio_active_sequences"] == 0
 
 
@@ -305,8 +317,9 @@ def _content(event: bytes) -> str:
 def test_http_1_0_stream_is_delimited_by_close(limited: ServerProcess) -> None:
     """An HTTP/1.0 client gets the stream unchunked, ended by the server's close (h11 frames it;
     the direct chunk writes stay out of it)."""
-    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 24, "stream": True, "logit_bias": NO_END_TOKENS}
-    request = request_bytes("POST", "/v1/completions", body, host=None, version="HTTP/1.0")
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 24, "temperature": 0, "logit_bias": NO_END_TOKENS}
+    whole = httpx.post(limited.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    request = request_bytes("POST", "/v1/completions", {**body, "stream": True}, host=None, version="HTTP/1.0")
     with socket.create_connection(("127.0.0.1", limited.port), timeout=60) as sock:
         sock.sendall(request)
         raw = bytearray()
@@ -314,6 +327,6 @@ def test_http_1_0_stream_is_delimited_by_close(limited: ServerProcess) -> None:
             raw += data
     head_bytes, _, stream = bytes(raw).partition(b"\r\n\r\n")
     assert head_bytes.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head_bytes.lower()
-    events = sse.parse(stream, comments=False).chunks
-    assert sum(1 for e in events if sse.chunk_text(e)) >= 20
-    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    parsed = sse.parse(stream, comments=False)
+    assert parsed.text == whole  # every piece arrived: the same greedy answer as a whole one
+    assert parsed.finish_reasons == ["length"]

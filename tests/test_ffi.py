@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import ffi
 from ffi._lib import ffi as ffi_c
 from ffi._lib import lib
+from tests.support.process import NO_END_TOKENS
 
 PROMPT = "The three primary colors are"
 
@@ -166,6 +167,11 @@ def test_a_saved_sequence_state_restores_into_another_sequence(model: ffi.Model,
         assert context.cells_used() == 0
         assert not context.seq_restore(b"not a state", 1)
         assert context.seq_cells(1) == 0
+
+
+def test_no_end_tokens_bans_every_end_of_generation_token(model: ffi.Model) -> None:
+    assert {int(token) for token in NO_END_TOKENS} >= model.vocab.eog_tokens
+    assert all(bias == -100 for bias in NO_END_TOKENS.values())
 
 
 def test_penalties_and_logit_bias_steer_sampling(model: ffi.Model, context: ffi.Context) -> None:

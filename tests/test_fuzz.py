@@ -26,7 +26,9 @@ from hypothesis import strategies as st
 
 import ffi
 from tests.support import sse
-from tests.support.process import ServerProcess, serving
+from tests.support.process import NO_END_TOKENS, ServerProcess, serving
+
+pytestmark = pytest.mark.server
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
@@ -368,8 +370,13 @@ def fuzzer(fuzz_server: ServerProcess) -> Iterator[Fuzzer]:
 
 
 PARALLEL = 4  # the fuzz server's sequences
-GREEDY_CHAT = {"messages": [{"role": "user", "content": "Name three colors."}], "temperature": 0}
-GREEDY_COMPLETION = {"prompt": "The capital of France is", "temperature": 0}
+# The end tokens banned: each probe's answer is MAX_TOKENS_CEILING tokens, whatever they are.
+GREEDY_CHAT = {
+    "messages": [{"role": "user", "content": "Name three colors."}],
+    "temperature": 0,
+    "logit_bias": NO_END_TOKENS,
+}
+GREEDY_COMPLETION = {"prompt": "The capital of France is", "temperature": 0, "logit_bias": NO_END_TOKENS}
 _PROBES = itertools.count()
 
 
@@ -482,14 +489,20 @@ def test_fuzz_raw_bytes(
 @pytest.mark.parametrize("payload", JINJA)
 def test_jinja_in_content_is_text(fuzz_server: ServerProcess, fuzzer: Fuzzer, model: ffi.Model, payload: str) -> None:
     """The chat prompt holds the payload's characters: the same prompt written out by hand
-    (the template rendered around a placeholder) gives the same tokens and the same text."""
+    (the template rendered around a placeholder) gives the same tokens and the same text (each
+    computed from scratch, in a cache scope of its own: see ``clear_prefix_cache``)."""
     marker = "PLACEHOLDER-7f3a"
     bos = model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else ""
     template = ffi.ChatTemplate(model.chat_template, bos_token=bos)
     by_hand = template.render([{"role": "user", "content": marker}], add_generation_prompt=True)
     assert by_hand.count(marker) == 1
-    chat = fuzzer.client.post(CHAT_PATH, json={"messages": [{"role": "user", "content": payload}], "temperature": 0})
-    plain = fuzzer.client.post(COMPLETION_PATH, json={"prompt": by_hand.replace(marker, payload), "temperature": 0})
+    salt = f"jinja-{next(_PROBES)}"
+    messages = [{"role": "user", "content": payload}]
+    chat = fuzzer.client.post(CHAT_PATH, json={"messages": messages, "temperature": 0, "cache_salt": salt + "-chat"})
+    prompt = by_hand.replace(marker, payload)
+    plain = fuzzer.client.post(
+        COMPLETION_PATH, json={"prompt": prompt, "temperature": 0, "cache_salt": salt + "-plain"}
+    )
     assert chat.status_code == plain.status_code == 200, (chat.text, plain.text)
     assert chat.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
     assert chat.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["text"]

@@ -23,6 +23,8 @@ from tests.support.process import ServerProcess, serving
 from tests.support.rawhttp import request_bytes
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.server
+
 ASK = [{"role": "user", "content": "Pick one."}]
 ALICE = {"Authorization": "Bearer alice"}
 BOB = {"Authorization": "Bearer bob"}

@@ -76,6 +76,7 @@ def test_http2_prior_knowledge_is_refused_with_goaway(server: ServerProcess) -> 
     assert not [e for e in events if isinstance(e, h2.events.ResponseReceived)]
 
 
+@pytest.mark.server
 def test_http2_clients_with_zero_windows_lock_no_one_out() -> None:
     with ServerProcess(["--parallel", "1", "--ctx-size", "1024", "--max-connections", "3"]) as proc:
         proc.wait_ready()
@@ -180,6 +181,7 @@ def cached_tokens(url: str, key: str, content: str, **extra: Any) -> int:
     return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+@pytest.mark.server
 def test_prefix_cache_is_scoped_by_api_key_and_cache_salt() -> None:
     # One sequence: every request lands on the cells the previous one left.
     args = ["--parallel", "1", "--ctx-size", "1024", "--api-key", "alice", "--api-key", "bob"]

@@ -76,6 +76,7 @@ def listener() -> Iterator[socket.socket]:
         yield sock
 
 
+@pytest.mark.server
 def test_socket_activation_keeps_clients_waiting_between_two_servers(listener: socket.socket) -> None:
     """The first server is stopped with SIGTERM; one client connects while it drains, another
     after it has exited; both wait, and the second server (same socket) answers both."""
@@ -105,6 +106,7 @@ def test_socket_activation_keeps_clients_waiting_between_two_servers(listener: s
         assert "Traceback" not in log, log[-5000:]
 
 
+@pytest.mark.server
 def test_a_descriptor_that_is_not_a_listening_socket_is_refused_in_one_line() -> None:
     with socket.socket() as unbound:
         fd = unbound.fileno()

@@ -23,6 +23,8 @@ from tests.support.waiting import wait_for
 
 BASE = ["--parallel", "2", "--ctx-size", "4096", "--threads", "1", "--cache-ram", "0"]
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory, model_path: pathlib.Path) -> pathlib.Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pathlib
 
 import httpx
+import pytest
 
 from tests.support.load import Load
 from tests.support.nginx import Nginx
@@ -20,6 +21,8 @@ from tests.support.ports import free_port
 from tests.support.process import ServerProcess
 from tests.support.restarts import restart_in_place
 from tests.support.waiting import wait_for
+
+pytestmark = [pytest.mark.server, pytest.mark.nginx]
 
 GUARD = 60.0
 

@@ -19,6 +19,8 @@ from tests.support.ports import free_port
 from tests.support.process import ServerProcess, serving
 from tests.support.rpc import rpc_servers
 
+pytestmark = pytest.mark.server
+
 LAYERS = 31  # SmolLM2-135M: 30 repeating layers and the output layer, as llama.cpp counts them
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 SMALL = ["--threads", "1", "--parallel", "2", "--ctx-size", "1024"]

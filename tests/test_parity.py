@@ -23,6 +23,8 @@ from tests.support import sse
 from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.server
+
 CHAT = [{"role": "user", "content": "Name three colors."}]
 # A value for each field the openai SDK can send, one that asks for what the field does.
 VALUES: dict[str, Any] = {

@@ -114,6 +114,7 @@ def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
         assert "Traceback" not in proc.log, proc.log[-5000:]
 
 
+@pytest.mark.server
 def test_more_conversations_than_sequences_reuse_their_history(
     servers: tuple[ServerProcess, ServerProcess],
 ) -> None:
@@ -134,6 +135,7 @@ def test_more_conversations_than_sequences_reuse_their_history(
     assert "restored=" in on.log
 
 
+@pytest.mark.server
 def test_the_ram_bound_holds() -> None:
     # About 23 KiB of state per token for this model: 20 MiB holds two or three of these
     # conversations (about 300 tokens each), not five.
@@ -158,6 +160,7 @@ def test_the_ram_bound_holds() -> None:
     assert "Traceback" not in proc.log
 
 
+@pytest.mark.server
 def test_saved_prefixes_stay_in_their_scope() -> None:
     args = ["--parallel", "1", "--ctx-size", "1024", "--threads", "1", "--api-key", "alice", "--api-key", "bob"]
     secret = [{"role": "system", "content": f"Alice's notes: {document(7)}"}, {"role": "user", "content": "Hi"}]
@@ -195,6 +198,7 @@ def raw_stream_request(port: int, messages: list[dict[str, str]]) -> socket.sock
     return sock
 
 
+@pytest.mark.server
 def test_clients_that_leave_during_a_restore_leak_nothing() -> None:
     with ServerProcess(["--parallel", "1", "--ctx-size", "1024", "--threads", "1"]) as proc:
         proc.wait_ready()

@@ -55,6 +55,8 @@ STREAM_ORDER = [
 ]
 STREAM_END = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
+pytestmark = pytest.mark.server
+
 
 def fmt(schema: dict[str, Any], name: str = "answer") -> dict[str, Any]:
     return {"format": {"type": "json_schema", "name": name, "schema": schema, "strict": True}}

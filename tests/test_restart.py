@@ -25,6 +25,8 @@ from tests.support.process import ServerProcess
 from tests.support.restarts import NotifySocket, alive, hot_restart, restarts_of, wait_pid
 from tests.support.waiting import wait_for
 
+pytestmark = pytest.mark.server
+
 # Hang guard for any single wait.
 GUARD = 60.0
 RENAMED = "llama-trio restart"

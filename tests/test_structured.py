@@ -1,13 +1,22 @@
 """Structured outputs through a real server: every answer follows its JSON Schema or grammar,
 streamed or not, greedy or sampled; constrained and free streams share a batch; errors are
-400s naming the field."""
+400s naming the field.
+
+What a sample is differs between CPUs (llama.cpp's kernels round differently on each), so every
+schema here bounds its answers: strings have a ``maxLength``, integers and numbers a range
+(numbers a ``multipleOf`` too: a number's digits are unbounded otherwise), arrays a
+``maxItems``, objects no free properties. Each valid answer then fits ``MAX_TOKENS``, so a
+constrained answer ends with ``stop`` by construction, whatever is sampled. Where the answer
+cannot be bounded (``json_object``), the test asserts what holds for any sample: a finished
+answer parses, one cut short is the beginning of a JSON object.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import threading
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import jsonschema
@@ -18,19 +27,30 @@ import pytest
 from server.engine import grammar_limits as limits
 from tests.support import sse
 from tests.support.grammars import any_of_chain, gbnf_chain, optional_properties, properties_chain, ref_chain
-from tests.support.process import ServerProcess
+from tests.support.jsonprefix import parse_prefix
+from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.server
 
 ASK = [{"role": "user", "content": "Describe a fictional person as JSON."}]
 SCHEMA_PARAM = "response_format.json_schema.schema"
+# Room for the longest valid answer of any schema below, every token being at least one byte: the
+# longest is Person's, 285 bytes with each string character at its longest (6 bytes, a \uXXXX
+# escape); optional-fields' is 253.
+MAX_TOKENS = 300
 
+SMALL_INTEGER = {"type": "integer", "minimum": -1000, "maximum": 1000}
 SCHEMAS: dict[str, dict[str, Any]] = {
     "nested-objects": {
         "type": "object",
         "properties": {
             "person": {
                 "type": "object",
-                "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+                "properties": {
+                    "name": {"type": "string", "maxLength": 16},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                },
                 "required": ["name", "age"],
                 "additionalProperties": False,
             }
@@ -62,7 +82,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object",
         "properties": {
             "age": {"type": "integer", "minimum": 18, "maximum": 99},
-            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "score": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
         },
         "required": ["age", "score"],
         "additionalProperties": False,
@@ -80,7 +100,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "$defs": {
             "point": {
                 "type": "object",
-                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "properties": {"x": SMALL_INTEGER, "y": SMALL_INTEGER},
                 "required": ["x", "y"],
                 "additionalProperties": False,
             }
@@ -92,9 +112,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "any-of": {
         "type": "object",
-        "properties": {
-            "value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 10}, {"type": "null"}]}
-        },
+        "properties": {"value": {"anyOf": [SMALL_INTEGER, {"type": "string", "maxLength": 10}, {"type": "null"}]}},
         "required": ["value"],
         "additionalProperties": False,
     },
@@ -109,7 +127,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {
             "name": {"type": "string", "maxLength": 12},
             "email": {"type": "string", "maxLength": 24},
-            "age": {"type": "integer"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
         },
         "required": ["name"],
         "additionalProperties": False,
@@ -152,7 +170,7 @@ def response_format(schema: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_every_answer_follows_its_schema(server: ServerProcess, name: str) -> None:
     schema = SCHEMAS[name]
-    body = {"response_format": response_format(schema), "max_tokens": 200, "temperature": 0}
+    body = {"response_format": response_format(schema), "max_tokens": MAX_TOKENS, "temperature": 0}
     whole = chat(server, body)["choices"][0]
     assert whole["finish_reason"] == "stop"
     jsonschema.validate(json.loads(whole["message"]["content"]), schema)
@@ -166,8 +184,14 @@ def test_every_answer_follows_its_schema(server: ServerProcess, name: str) -> No
 
 
 def test_json_object_completion_and_llama_server_fields(server: ServerProcess) -> None:
+    # Any object is allowed, so the answer may run to max_tokens: finished, it parses; cut short,
+    # it is the beginning of an object. The same seed gives the same answer on one machine.
     body = {"response_format": {"type": "json_object"}, "max_tokens": 100, "temperature": 0.8, "seed": 3}
-    assert isinstance(json.loads(chat(server, body)["choices"][0]["message"]["content"]), dict)
+    answer = chat(server, body)["choices"][0]
+    content = answer["message"]["content"]
+    assert answer["finish_reason"] in {"stop", "length"}
+    assert isinstance(json.loads(content) if answer["finish_reason"] == "stop" else parse_prefix(content), dict)
+    assert chat(server, body)["choices"][0]["message"]["content"] == content
     # llama-server's own fields, on the legacy endpoint.
     schema = SCHEMAS["enum"]
     completion = httpx.post(
@@ -182,8 +206,9 @@ def test_json_object_completion_and_llama_server_fields(server: ServerProcess) -
         timeout=60,
     ).json()["choices"][0]
     assert answer["text"] in {" yes", " no"} and answer["finish_reason"] == "stop"
-    text = chat(server, {"response_format": {"type": "text"}, "max_tokens": 4, "temperature": 0})
-    assert text["choices"][0]["message"]["content"]
+    body = {"response_format": {"type": "text"}, "max_tokens": 4, "temperature": 0, "logit_bias": NO_END_TOKENS}
+    text = chat(server, body)
+    assert text["choices"][0]["message"]["content"] and text["choices"][0]["finish_reason"] == "length"
 
 
 def test_json_object_with_llama_servers_schema_follows_it(server: ServerProcess) -> None:
@@ -211,24 +236,29 @@ def test_json_object_with_an_invalid_schema_is_a_400(server: ServerProcess, sche
 
 
 def test_max_tokens_first_ends_with_length_and_a_prefix(server: ServerProcess) -> None:
+    # The shortest valid answer is 52 bytes, and no token that fits in one is longer than 5
+    # bytes ("start"; digits are single tokens): 5 tokens cannot finish it, whatever they are.
     body = {"response_format": response_format(SCHEMAS["defs-ref"]), "max_tokens": 5, "temperature": 0}
     choice = chat(server, body)["choices"][0]
     assert choice["finish_reason"] == "length"
     assert choice["message"]["content"].startswith("{")
+    assert isinstance(parse_prefix(choice["message"]["content"]), dict)
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice["message"]["content"])
 
 
 class Person(pydantic.BaseModel):
+    """Bounded as the schemas above are: every valid answer fits MAX_TOKENS."""
+
     name: str = pydantic.Field(max_length=16)
-    age: int
-    hobbies: list[str] = pydantic.Field(max_length=2)
+    age: int = pydantic.Field(ge=0, le=150)
+    hobbies: list[Annotated[str, pydantic.Field(max_length=12)]] = pydantic.Field(max_length=2)
 
 
 def test_openai_sdk_parse_returns_the_pydantic_object(server: ServerProcess) -> None:
     with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
         completion = client.chat.completions.parse(
-            model="smollm2", messages=ASK, response_format=Person, max_tokens=150, temperature=0
+            model="smollm2", messages=ASK, response_format=Person, max_tokens=MAX_TOKENS, temperature=0
         )
     person = completion.choices[0].message.parsed
     assert isinstance(person, Person)
@@ -245,7 +275,7 @@ def test_constrained_and_free_streams_in_one_batch(server: ServerProcess) -> Non
 
     threads = [threading.Thread(target=run, args=("free", free))]
     for name in ("nested-objects", "enum", "number-bounds"):
-        body = {"response_format": response_format(SCHEMAS[name]), "max_tokens": 120, "temperature": 0}
+        body = {"response_format": response_format(SCHEMAS[name]), "max_tokens": MAX_TOKENS, "temperature": 0}
         threads.append(threading.Thread(target=run, args=(name, body)))
     for thread in threads:
         thread.start()

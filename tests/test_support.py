@@ -8,9 +8,13 @@ import socket
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.support import sse
+from tests.support.jsonprefix import close_json, parse_prefix
 from tests.support.ports import free_port, plain_bind
+from tests.support.process import ServerProcess
 from tests.support.rawhttp import closed_by_peer, dechunk, parse_head, request_bytes
 from tests.support.waiting import wait_for
 
@@ -175,3 +179,55 @@ def test_free_port_and_plain_bind() -> None:
         holder.listen()
         failure = plain_bind(port)
         assert failure is not None and failure.errno is not None
+
+
+# -- jsonprefix -------------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(json_values, st.sampled_from([(", ", ": "), (",", ":")]), st.booleans(), st.booleans())
+def test_every_prefix_of_a_json_text_parses(
+    value: object, separators: tuple[str, str], ascii: bool, indent: bool
+) -> None:
+    text = json.dumps(value, separators=separators, ensure_ascii=ascii, indent=2 if indent else None)
+    assert parse_prefix(text) == value
+    for end in range(len(text)):
+        parse_prefix(text[:end])
+
+
+@pytest.mark.parametrize(
+    ("prefix", "closed"),
+    [
+        ("", "null"),
+        ('{"a": "x\\', '{"a": "x\\n"}'),
+        ('{"a": "\\u00', '{"a": "\\u0000"}'),
+        ('{"a": 1.', '{"a": 1.0}'),
+        ('{"a": [1, -', '{"a": [1, -0]}'),
+        ("[tr", "[true]"),
+        ('{"a": {"b', '{"a": {"b": 0}}'),
+        ('{"a": 1, ', '{"a": 1, "": 0}'),
+        ("[1e+", "[1e+0]"),
+    ],
+)
+def test_close_json_closes_the_shortest_way(prefix: str, closed: str) -> None:
+    assert close_json(prefix) == closed
+
+
+@pytest.mark.parametrize("prefix", ['{"a" 1', '{"a": 1}}', "[1,,", "{1", "[tru e", '"\\x', '{"a": 01', "[1] [", "]"])
+def test_what_begins_no_json_text_fails(prefix: str) -> None:
+    with pytest.raises(AssertionError, match="not the beginning of a JSON text"):
+        parse_prefix(prefix)
+
+
+# -- needs ------------------------------------------------------------------------------------
+
+
+def test_starting_a_server_without_the_marker_fails_before_it_starts() -> None:
+    with pytest.raises(AssertionError, match=r"starts a server process but is not marked `server`"):
+        ServerProcess(["--version"])

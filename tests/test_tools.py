@@ -1,5 +1,13 @@
 """Tool calls: the pure answer parser, then the whole path through a real server with the
-``openai`` SDK (the default model's template knows no tools: the generic scheme)."""
+``openai`` SDK (the default model's template knows no tools: the generic scheme).
+
+What the model chooses differs between CPUs where two tokens nearly tie, so an answer is either
+bounded by construction or checked for what holds whatever was chosen. The tools' parameters
+are bounded (a city of at most 30 characters, a unit from a list, integers in a range), so an
+answer of one call (``parallel_tool_calls`` false, or a named tool) fits ``ONE_CALL_TOKENS``
+and ends with ``tool_calls``. An answer that may go on (text, or several calls) may be cut by
+``max_tokens``: then its last call's arguments need only be the beginning of a JSON object.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +22,8 @@ import pytest
 
 import ffi
 from server.api import tools
-from tests.support.process import ServerProcess
+from tests.support.jsonprefix import parse_prefix
+from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.support.waiting import wait_for
 
 # -- the answer parser, without a model ---------------------------------------------------------
@@ -97,7 +106,10 @@ ADD = {
         "description": "Add two integers",
         "parameters": {
             "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "properties": {
+                "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+            },
             "required": ["a", "b"],
             "additionalProperties": False,
         },
@@ -106,6 +118,13 @@ ADD = {
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Each tool's longest arguments: every string character at its longest (a \uXXXX escape, as
+# json.dumps writes "é"), the longest unit, the longest integers.
+LONGEST_ARGUMENTS = {"get_weather": {"city": "é" * 30, "unit": "fahrenheit"}, "add": {"a": -1000, "b": -1000}}
+# The longest call's JSON text (in the answer's own spacing), and the longest answer of one
+# call; every token is at least one byte.
+CALL_BYTES = max(len(json.dumps({"name": name, "arguments": args})) for name, args in LONGEST_ARGUMENTS.items())
+ONE_CALL_TOKENS = len(json.dumps({"tool_calls": []})) + CALL_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +133,27 @@ def sdk(server: ServerProcess) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def check_calls(message: Any, allowed: set[str]) -> list[Any]:
-    calls = message.tool_calls or []
-    for call in calls:
+def test_the_longest_arguments_follow_the_parameters() -> None:
+    for name, arguments in LONGEST_ARGUMENTS.items():
+        jsonschema.validate(arguments, SCHEMAS[name])
+    assert json.dumps(LONGEST_ARGUMENTS["get_weather"]).count("\\u00e9") == 30
+
+
+def check_calls(choice: Any, allowed: set[str]) -> list[Any]:
+    """The calls of an answer (a choice), checked: each names an allowed tool, with arguments
+    that follow its parameters; but in an answer cut by max_tokens, the last call's arguments
+    need only be the beginning of a JSON object (where the cut falls depends on what was
+    sampled)."""
+    calls = choice.message.tool_calls or []
+    for i, call in enumerate(calls):
         assert call.type == "function" and call.id.startswith("call_")
         assert call.function.name in allowed
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        if choice.finish_reason == "length" and i == len(calls) - 1:
+            assert isinstance(parse_prefix(call.function.arguments or "{"), dict), call.function.arguments
+        else:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    if calls:
+        assert choice.finish_reason in {"tool_calls", "length"}
     return calls
 
 
@@ -128,7 +162,12 @@ def check_calls(message: Any, allowed: set[str]) -> list[Any]:
 def test_each_tool_choice(sdk: openai.OpenAI, choice: str, stream: bool) -> None:
     tool_choice: Any = {"type": "function", "function": {"name": "add"}} if choice == "named" else choice
     kwargs: dict[str, Any] = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": tool_choice}
-    kwargs.update(temperature=0, max_tokens=60)
+    # One call at most: calls only (required, named) fit ONE_CALL_TOKENS. Text (auto, none) may
+    # run to max_tokens; without a tool (none) it does (the end tokens are banned).
+    kwargs.update(temperature=0, parallel_tool_calls=False)
+    kwargs["max_tokens"] = ONE_CALL_TOKENS if choice in {"required", "named"} else 60
+    if choice == "none":
+        kwargs["logit_bias"] = NO_END_TOKENS
     if stream and choice in {"required", "named"}:
         with sdk.chat.completions.stream(**kwargs) as events:  # the SDK's own reassembly
             choice_ = events.get_final_completion().choices[0]
@@ -138,15 +177,17 @@ def test_each_tool_choice(sdk: openai.OpenAI, choice: str, stream: bool) -> None
         choice_ = sdk.chat.completions.create(**kwargs).choices[0]
     if choice == "none":
         assert not choice_.message.tool_calls and choice_.message.content
+        assert choice_.finish_reason == "length"
         return
     allowed = {"add"} if choice == "named" else {"get_weather", "add"}
-    calls = check_calls(choice_.message, allowed)
+    calls = check_calls(choice_, allowed)
     if choice in {"required", "named"}:
-        assert calls and choice_.finish_reason == "tool_calls"
-    if choice == "named":
+        assert len(calls) == 1 and choice_.finish_reason == "tool_calls"
+    elif not calls:  # auto, answered in text: cut by max_tokens, the text is long; finished, any
+        assert choice_.finish_reason in {"stop", "length"}
+        assert choice_.message.content or choice_.finish_reason == "stop"
+    else:  # auto, one call
         assert len(calls) == 1
-    if not calls:  # auto, answered in text
-        assert choice_.message.content and choice_.finish_reason in {"stop", "length"}
 
 
 def reassembled(chunks: Any) -> Any:
@@ -175,7 +216,7 @@ def reassembled(chunks: Any) -> Any:
 
 def test_streamed_deltas_reassemble_into_the_whole_message(sdk: openai.OpenAI) -> None:
     kwargs: dict[str, Any] = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
-    kwargs.update(temperature=0, max_tokens=60)
+    kwargs.update(temperature=0, max_tokens=ONE_CALL_TOKENS, parallel_tool_calls=False)
     whole = sdk.chat.completions.create(**kwargs).choices[0]
     with sdk.chat.completions.stream(**kwargs) as events:
         streamed = events.get_final_completion().choices[0]
@@ -192,14 +233,30 @@ def test_streamed_deltas_reassemble_into_the_whole_message(sdk: openai.OpenAI) -
 
 
 def test_parallel_calls_only_when_allowed(sdk: openai.OpenAI, model: ffi.Model) -> None:
+    """With the tokens that close the list of calls banned, the answer can only go on: with
+    parallel calls allowed it runs to max_tokens, a second call begun well before (the first
+    call and the second's name fit in them, whatever the city); without, the grammar closes
+    the list after one call all the same."""
     ask = [{"role": "user", "content": "Call get_weather for Paris and then for Rome, in one answer."}]
-    kwargs: dict[str, Any] = {"model": "m", "messages": ask, "tools": [WEATHER], "tool_choice": "required"}
-    kwargs.update(temperature=0, max_tokens=120, logit_bias={str(t): -100 for t in closing_tokens(model.vocab)})
-    several = check_calls(sdk.chat.completions.create(**kwargs).choices[0].message, {"get_weather"})
-    assert len(several) >= 2
+    weather = {**WEATHER, "function": {**WEATHER["function"], "parameters": SHORT_CITY}}
+    longest_call = json.dumps({"name": "get_weather", "arguments": {"city": "é" * 8, "unit": "fahrenheit"}})
+    second_named = ', {"name": "get_weather", "arguments": '
+    max_tokens = len('{"tool_calls": [') + len(longest_call) + len(second_named)
+    kwargs: dict[str, Any] = {"model": "m", "messages": ask, "tools": [weather], "tool_choice": "required"}
+    kwargs.update(temperature=0, max_tokens=max_tokens)
+    kwargs["logit_bias"] = {str(t): -100 for t in closing_tokens(model.vocab)}
+    answer = sdk.chat.completions.create(**kwargs).choices[0]
+    assert answer.finish_reason == "length"
+    assert len(check_calls(answer, {"get_weather"})) >= 2
     single = sdk.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0]
-    assert len(check_calls(single.message, {"get_weather"})) == 1
+    assert len(check_calls(single, {"get_weather"})) == 1
     assert single.finish_reason == "tool_calls"
+
+
+SHORT_CITY = {
+    **WEATHER["function"]["parameters"],
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+}
 
 
 def closing_tokens(vocab: ffi.Vocab) -> list[int]:
@@ -213,15 +270,28 @@ def closing_tokens(vocab: ffi.Vocab) -> list[int]:
 def test_round_trip_with_the_tool_result(sdk: openai.OpenAI) -> None:
     messages: list[Any] = list(ASK)
     first = sdk.chat.completions.create(
-        model="m", messages=messages, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=ONE_CALL_TOKENS,
     ).choices[0]
+    assert first.finish_reason == "tool_calls"
     call = first.message.tool_calls[0]  # type: ignore[index]
     arguments = json.loads(call.function.arguments)
     result = {"city": arguments.get("city", "?"), "temperature": 18, "unit": arguments.get("unit", "celsius")}
     messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
     messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
     final = sdk.chat.completions.create(
-        model="m", messages=messages, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=40,
+        logit_bias=NO_END_TOKENS,
     ).choices[0]
     assert final.message.content and not final.message.tool_calls
 

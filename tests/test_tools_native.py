@@ -1,7 +1,10 @@
 """Tool calls on a template that knows tools (Hermes/Qwen style): the default model with its
 chat template rewritten in the GGUF file itself (the ``gguf`` package), and the same template
 given with ``--chat-template-file``. The model answers in the template's own syntax, each
-call's JSON constrained by its tool's parameters, and the server turns it into ``tool_calls``."""
+call's JSON constrained by its tool's parameters, and the server turns it into ``tool_calls``.
+
+As in ``test_tools``: an answer of one call is bounded (``ONE_CALL_TOKENS``) and ends with
+``tool_calls``; one that may go on is checked for what holds wherever ``max_tokens`` cuts it."""
 
 from __future__ import annotations
 
@@ -16,9 +19,15 @@ import jsonschema
 import openai
 import pytest
 
+from server.api.tools import NATIVE_CLOSE, NATIVE_OPEN
 from server.model_files import default_model_path
-from tests.support.process import ServerProcess
-from tests.test_tools import ASK, SCHEMAS, TOOLS, check_calls, reassembled
+from tests.support.process import NO_END_TOKENS, ServerProcess
+from tests.test_tools import ASK, CALL_BYTES, SCHEMAS, TOOLS, check_calls, reassembled
+
+pytestmark = pytest.mark.server
+
+# The longest answer of one call in the template's syntax; every token is at least one byte.
+ONE_CALL_TOKENS = len(NATIVE_OPEN) + CALL_BYTES + len(NATIVE_CLOSE)
 
 TEMPLATE = pathlib.Path(__file__).parent / "data" / "hermes_tools.jinja"
 
@@ -49,33 +58,42 @@ def sdk(request: pytest.FixtureRequest, tool_model: pathlib.Path) -> Iterator[op
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_native_calls_are_parsed_from_the_models_own_syntax(sdk: openai.OpenAI, stream: bool) -> None:
     kwargs: dict[str, Any] = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
-    kwargs.update(temperature=0, max_tokens=80)
+    kwargs.update(temperature=0, max_tokens=ONE_CALL_TOKENS, parallel_tool_calls=False)
     if stream:
         choice = reassembled(sdk.chat.completions.create(**kwargs, stream=True))
     else:
         choice = sdk.chat.completions.create(**kwargs).choices[0]
-    calls = check_calls(choice.message, {"get_weather", "add"})
-    assert calls and choice.finish_reason == "tool_calls"
+    calls = check_calls(choice, {"get_weather", "add"})
+    assert len(calls) == 1 and choice.finish_reason == "tool_calls"
 
 
 def test_native_named_choice_and_round_trip(sdk: openai.OpenAI) -> None:
     named = {"type": "function", "function": {"name": "add"}}
     first = sdk.chat.completions.create(
-        model="m", messages=ASK, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=60
+        model="m", messages=ASK, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=ONE_CALL_TOKENS
     ).choices[0]
-    (call,) = check_calls(first.message, {"add"})
+    assert first.finish_reason == "tool_calls"
+    (call,) = check_calls(first, {"add"})
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, SCHEMAS["add"])
     messages: list[Any] = [*ASK, first.message.model_dump(exclude_none=True)]
     messages.append({"role": "tool", "tool_call_id": call.id, "content": str(arguments["a"] + arguments["b"])})
     final = sdk.chat.completions.create(
-        model="m", messages=messages, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=30
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=30,
+        logit_bias=NO_END_TOKENS,
     ).choices[0]
     assert final.message.content and not final.message.tool_calls
 
 
 def test_native_auto_answers_in_text_or_calls(sdk: openai.OpenAI) -> None:
     choice = sdk.chat.completions.create(model="m", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60).choices[0]
-    calls = check_calls(choice.message, {"get_weather", "add"})
-    if not calls:
-        assert choice.message.content and "<tool_call>" not in choice.message.content
+    calls = check_calls(choice, {"get_weather", "add"})
+    if not calls:  # text: cut by max_tokens, it is long; finished, any (but never a call's markup)
+        assert choice.finish_reason in {"stop", "length"}
+        assert choice.message.content or choice.finish_reason == "stop"
+        assert "<tool_call>" not in (choice.message.content or "")

@@ -69,6 +69,7 @@ def metric(server: ServerProcess, name: str, headers: dict[str, str] | None = No
 # -- loading ---------------------------------------------------------------------------------
 
 
+@pytest.mark.browser
 def test_page_loads_clean_with_nothing_from_another_host(page: ChatPage, server: ServerProcess) -> None:
     model_id = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     page.wait(lambda: page.element("#model").text == model_id, "the model's name")
@@ -99,6 +100,7 @@ def test_page_loads_clean_with_nothing_from_another_host(page: ChatPage, server:
 # -- answering -------------------------------------------------------------------------------
 
 
+@pytest.mark.browser
 def test_answer_streams_in_with_its_stats(page: ChatPage, server: ServerProcess) -> None:
     page.settings(temperature="0", max_tokens="48", extra=NO_END, system="You are a friendly assistant.")
     page.send("Tell me about llamas.\nAnd about alpacas.")
@@ -134,6 +136,7 @@ def test_answer_streams_in_with_its_stats(page: ChatPage, server: ServerProcess)
     assert severe(page) == []
 
 
+@pytest.mark.browser
 def test_stop_frees_the_sequence_within_a_second(page: ChatPage, server: ServerProcess) -> None:
     page.settings(max_tokens="900", extra=NO_END)
     cancelled = metric(server, "llama_trio_cancellations_total")
@@ -155,15 +158,16 @@ def test_stop_frees_the_sequence_within_a_second(page: ChatPage, server: ServerP
     assert int(match.group(1)) < 900
     stopped_text = page.answers()[0]
 
-    page.settings(max_tokens="8", extra="")
+    page.settings(max_tokens="8")  # the end tokens still banned: an answer of 8 tokens
     page.send("Now just say hello.")
     match = STATS.match(page.wait_answered(2))
-    assert match and match.group(4) in {None, "reached max tokens"}, page.stats()
+    assert match and match.group(1) == "8" and match.group(4) == "reached max tokens", page.stats()
     assert page.answers()[1]
     assert page.answers()[0] == stopped_text  # nothing arrived after the stop
     assert page.errors() == [] and severe(page) == []
 
 
+@pytest.mark.browser
 def test_model_output_is_text_and_runs_nothing(page: ChatPage, server: ServerProcess) -> None:
     # The grammar makes the real model write exactly HOSTILE_ANSWER, streamed token by token
     # through the page's own rendering; the user's message carries markup too.
@@ -186,6 +190,7 @@ def test_model_output_is_text_and_runs_nothing(page: ChatPage, server: ServerPro
     assert severe(page) == []  # not even a refused inline handler
 
 
+@pytest.mark.browser
 def test_a_phone_sized_window_and_the_keyboard(page: ChatPage, server: ServerProcess) -> None:
     page.driver.execute_cdp_cmd(
         "Emulation.setDeviceMetricsOverride", {"width": 360, "height": 740, "deviceScaleFactor": 2, "mobile": True}
@@ -217,6 +222,8 @@ def test_a_phone_sized_window_and_the_keyboard(page: ChatPage, server: ServerPro
 # -- errors ----------------------------------------------------------------------------------
 
 
+@pytest.mark.browser
+@pytest.mark.server
 def test_a_401_asks_for_the_key_then_works(driver: WebDriver, strict: ServerProcess) -> None:
     page = ChatPage(driver, strict.url).load()
     page.wait(lambda: page.element("#key-form").is_displayed(), "the key form")  # /v1/models was refused
@@ -244,6 +251,8 @@ def test_a_401_asks_for_the_key_then_works(driver: WebDriver, strict: ServerProc
     assert not page.element("#key-form").is_displayed()
 
 
+@pytest.mark.browser
+@pytest.mark.server
 def test_a_400_and_a_503_show_the_servers_message(driver: WebDriver, strict: ServerProcess) -> None:
     page = ChatPage(driver, strict.url).load(key=KEY)
     page.settings(temperature="0", max_tokens="8", extra="{nope")  # the page's own check first
@@ -289,6 +298,8 @@ def test_a_400_and_a_503_show_the_servers_message(driver: WebDriver, strict: Ser
     assert page.errors() == []
 
 
+@pytest.mark.browser
+@pytest.mark.server
 def test_a_lost_server_is_said_so(driver: WebDriver) -> None:
     with ServerProcess(["--parallel", "1", "--ctx-size", "1024", "--threads", "1"]) as proc:
         proc.wait_ready()
@@ -327,6 +338,7 @@ Promise.all([import('/webui/stream.js'), import('/webui/render.js')]).then(([str
 """
 
 
+@pytest.mark.browser
 def test_sse_parser_and_code_fences(page: ChatPage) -> None:
     wire = ': ping\r\n\r\ndata: {"a": 1}\r\n\r\ndata: x\ndata:y\n\nevent: e\rdata: z\r\r: c\nid: 1\n\ndata: [DONE]\n\n'
     texts = ["a\n```py\nx = '<b>'\n```\nb", "streaming ```\n```js\nlet x", "no fence"]
@@ -345,11 +357,13 @@ def test_sse_parser_and_code_fences(page: ChatPage) -> None:
     ]
 
 
-# -- the routes, in process (no model is loaded) -------------------------------------------
+# -- the routes, in process (no model is loaded: a path that names none will do) -------------
+
+NO_MODEL = "never-loaded.gguf"
 
 
 async def test_no_webui_leaves_only_the_api() -> None:
-    client = create_app(Settings(no_webui=True)).test_client()
+    client = create_app(Settings(no_webui=True, model=NO_MODEL)).test_client()
     for path in ("/", "/webui/chat.js"):
         response = await client.get(path)
         assert response.status_code == 404
@@ -358,7 +372,7 @@ async def test_no_webui_leaves_only_the_api() -> None:
 
 
 async def test_the_page_needs_no_key_and_the_api_still_does() -> None:
-    client = create_app(Settings(api_key=(KEY,))).test_client()
+    client = create_app(Settings(api_key=(KEY,), model=NO_MODEL)).test_client()
     page = await client.get("/")
     assert page.status_code == 200
     assert page.headers["Content-Type"] == "text/html; charset=utf-8"

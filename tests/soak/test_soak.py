@@ -30,6 +30,8 @@ from tests.support import sse
 from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.support.rawhttp import request_bytes
 
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
 CLIENTS = 32
 # Up to this many generated tokens per request (the server's --max-tokens ceiling too).
 MAX_TOKENS = 16

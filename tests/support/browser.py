@@ -19,6 +19,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webelement import WebElement
 
+from tests.support.needs import needs
 from tests.support.waiting import wait_for
 
 CHROMIUM = "/usr/bin/chromium"
@@ -42,6 +43,7 @@ STEP_S = 60.0
 
 def open_browser(width: int = 1000, height: int = 800) -> WebDriver:
     """A headless Chromium with its console and network logs kept for ``get_log``."""
+    needs("browser", "Chromium")
     for program in (CHROMIUM, CHROMEDRIVER):
         if not pathlib.Path(program).exists():
             raise RuntimeError(

@@ -18,6 +18,7 @@ import socket
 import subprocess
 from collections.abc import Sequence
 
+from tests.support.needs import needs
 from tests.support.process import ROOT
 from tests.support.waiting import wait_for
 
@@ -76,6 +77,7 @@ class Nginx:
         return self.directory / "error.log"
 
     def __enter__(self) -> Nginx:
+        needs("nginx", "nginx")
         argv = [nginx_binary(), "-p", str(self.directory), "-c", str(self.directory / "nginx.conf")]
         argv += ["-e", str(self.error_log), "-g", "daemon off;"]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)

@@ -17,12 +17,15 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.needs import needs
+
 # The repository root: the server runs from there, as ``python -m server``.
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"listening on http://(\S+):(\d+)")
-# SmolLM2's <|endoftext|>, <|im_start|> and <|im_end|> as a logit_bias that bans them: a stream
-# runs to max_tokens.
-NO_END_TOKENS = {"0": -100, "1": -100, "2": -100}
+# A logit_bias that bans SmolLM2's end-of-generation tokens (<|endoftext|>, <|im_end|> and, for
+# llama.cpp, <reponame>) and <|im_start|>: an answer runs to max_tokens, whatever is sampled
+# (tests/test_ffi.py checks that these are all the model's end tokens).
+NO_END_TOKENS = {"0": -100, "1": -100, "2": -100, "4": -100}
 
 
 class ServerProcess:
@@ -43,6 +46,7 @@ class ServerProcess:
         cwd: pathlib.Path = ROOT,
         pass_fds: Sequence[int] = (),
     ) -> None:
+        needs("server", "a server process")
         cmd = list(argv) if argv is not None else [sys.executable, "-m", "server", "--port", str(port), *args]
         self.proc = subprocess.Popen(
             cmd,
