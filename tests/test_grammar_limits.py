@@ -284,6 +284,7 @@ print("compiled")
 """
 
 
+@pytest.mark.model  # the subprocess loads the default model's vocabulary
 @pytest.mark.parametrize(
     ("stack", "links"), [(8 * 1024 * 1024, 1000), (limits.COMPILE_STACK_BYTES, 5000)], ids=["8MiB", "compile-stack"]
 )

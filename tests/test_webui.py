@@ -363,7 +363,7 @@ NO_MODEL = "never-loaded.gguf"
 
 
 async def test_no_webui_leaves_only_the_api() -> None:
-    client = create_app(Settings(no_webui=True, model=NO_MODEL)).test_client()
+    client = create_app(Settings(no_webui=True, model=(NO_MODEL,))).test_client()
     for path in ("/", "/webui/chat.js"):
         response = await client.get(path)
         assert response.status_code == 404
@@ -372,7 +372,7 @@ async def test_no_webui_leaves_only_the_api() -> None:
 
 
 async def test_the_page_needs_no_key_and_the_api_still_does() -> None:
-    client = create_app(Settings(api_key=(KEY,), model=NO_MODEL)).test_client()
+    client = create_app(Settings(api_key=(KEY,), model=(NO_MODEL,))).test_client()
     page = await client.get("/")
     assert page.status_code == 200
     assert page.headers["Content-Type"] == "text/html; charset=utf-8"
