@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from quart import Blueprint, Response
 
-from server.api import schema
+from server.api import model_list
 from server.api.completions import complete
 from server.api.embeddings import embed
 from server.api.respond import current_state, json_response
@@ -26,19 +26,21 @@ async def models() -> Response:
     cards = []
     for spec in registry.specs:
         runtime = registry.runtime(spec.id)
-        status = schema.ModelStatus(value="unloaded")
+        status = model_list.ModelStatus(value="unloaded")
         meta = None
         if runtime is not None:
-            status = schema.ModelStatus(value=runtime.status)  # type: ignore[arg-type]
+            status = model_list.ModelStatus(value=runtime.status)  # type: ignore[arg-type]
             if runtime.status == "loading":
                 status.progress = round(runtime.progress, 3)
             elif runtime.failed is not None:
                 status.error = str(runtime.failed)
             if runtime.info is not None and runtime.info.name is not None and runtime.engine is not None:
-                meta = schema.ModelMeta(name=runtime.info.name)
+                meta = model_list.ModelMeta(name=runtime.info.name)
         aliases = list(spec.aliases) or None
-        cards.append(schema.ModelCard(id=spec.id, created=registry.created, aliases=aliases, status=status, meta=meta))
-    return json_response(schema.ModelList(data=cards).model_dump(exclude_none=True))
+        cards.append(
+            model_list.ModelCard(id=spec.id, created=registry.created, aliases=aliases, status=status, meta=meta)
+        )
+    return json_response(model_list.ModelList(data=cards).model_dump(exclude_none=True))
 
 
 @openai.post("/v1/chat/completions")

@@ -432,30 +432,3 @@ class Completion(BaseModel):
     system_fingerprint: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-
-
-class ModelMeta(BaseModel):
-    """Ours, beside OpenAI's fields: what the loaded file says of itself."""
-
-    name: str  # general.name (the file's name without .gguf when it has none)
-
-
-class ModelStatus(BaseModel):
-    value: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
-    progress: float | None = None  # while loading, 0 to 1
-    error: str | None = None  # when the last load failed
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int  # when this server process started (a hot restart's new process: later)
-    owned_by: str = "llama-trio"
-    aliases: list[str] | None = None  # other names a request's ``model`` may use
-    status: ModelStatus
-    meta: ModelMeta | None = None  # once the model is loaded
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -11,9 +11,8 @@ Each turn of the loop (``Engine.run``): drop released jobs (``_reap``), give que
 sequences (``_admit``, keeping the cells of the longest cached prompt prefix), plan one batch
 (``_plan``: one token per generating sequence plus prompt chunks, see
 ``scheduler.plan_step``), and run fill + ``llama_decode`` + sampling in the decode thread
-(``step.run_step``). Meanwhile the pieces the previous step produced go out (``_hand_out``): to the
-reader's sink when one is armed (``Pieces.deliver_directly``), otherwise into that job's bounded
-channel with ``send_nowait``. Then ``_conclude`` decides what each sampled token does
+(``step.run_step``). Meanwhile the previous step's pieces go out (``_hand_out``: the reader's
+sink when armed, ``Pieces.deliver_directly``, else the job's bounded channel). Then ``_conclude`` decides what each sampled token does
 (``scheduler.judge_token``) and queues the resulting pieces. A job whose channel is full is
 left out of the batch (paused) until its reader catches up. Leaving ``submit``'s block for any
 reason releases the job: the engine drops it before its next step and frees its KV cells.

@@ -84,6 +84,15 @@ def run_step(
             copy.cached = list(source_slot.cached)
             member.n_past, member.n_prompt_done = source.n_past, source.n_prompt_done
             to_sample.append((copy, index))
+    out, constrained, constraint_seconds = _sample(context, to_sample, mask)
+    return StepResult(out, decode_seconds, constrained, constraint_seconds)
+
+
+def _sample(
+    context: ffi.Context, to_sample: list[tuple[Slot, int]], mask: ffi.TokenMask
+) -> tuple[list[tuple[Slot, int]], int, float]:
+    """Sample each slot's next token from its logits row (under its grammar's mask, feeding the
+    token to the grammar); the tokens, how many were constrained, and the grammar work's seconds."""
     out: list[tuple[Slot, int]] = []
     constrained = 0
     constraint_seconds = 0.0
@@ -110,7 +119,7 @@ def run_step(
         constraint_seconds += time.perf_counter() - started
         constrained += 1
         out.append((slot, token))
-    return StepResult(out, decode_seconds, constrained, constraint_seconds)
+    return out, constrained, constraint_seconds
 
 
 def _logprobs(context: ffi.Context, index: int, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:

@@ -1,0 +1,35 @@
+"""The model list's wire schema (``GET /v1/models``): OpenAI's model card, with our status,
+aliases and the loaded file's own name beside it. Pydantic only, as ``schema``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class ModelMeta(BaseModel):
+    """Ours, beside OpenAI's fields: what the loaded file says of itself."""
+
+    name: str  # general.name (the file's name without .gguf when it has none)
+
+
+class ModelStatus(BaseModel):
+    value: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+    progress: float | None = None  # while loading, 0 to 1
+    error: str | None = None  # when the last load failed
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int  # when this server process started (a hot restart's new process: later)
+    owned_by: str = "llama-trio"
+    aliases: list[str] | None = None  # other names a request's ``model`` may use
+    status: ModelStatus
+    meta: ModelMeta | None = None  # once the model is loaded
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
