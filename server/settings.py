@@ -38,6 +38,7 @@ class Settings:
     api_key_file: str | None = None
     max_queue: int = 64
     cache_ram: int = 2048  # MiB
+    no_fast_forward: bool = False
     max_tokens: int | None = None  # ceiling on any request's max_tokens
     drain_timeout: float = 30.0
     max_body: int = 4 * 1024 * 1024
@@ -83,6 +84,9 @@ _HELP = {
     "max_queue": "requests waiting for a free sequence before 503",
     "cache_ram": (
         "MiB of host RAM for prompt prefixes evicted from the sequences, restored when a prompt extends one (0: off)"
+    ),
+    "no_fast_forward": (
+        "sample every token a grammar forces one decode step at a time, instead of decoding the forced run at once"
     ),
     "max_tokens": "ceiling on any request's max_tokens (also the default when a request sets none)",
     "drain_timeout": "seconds in-flight requests may run after SIGTERM",

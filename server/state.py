@@ -120,6 +120,7 @@ class ServerState:
                 n_threads=s.threads,
                 max_queue=s.max_queue,
                 cache_bytes=s.cache_ram * 1024 * 1024,
+                fast_forward=not s.no_fast_forward,
             )
             async with contextlib.AsyncExitStack() as stack:
                 engine = await stack.enter_async_context(open_engine(model, config))

@@ -47,11 +47,15 @@ class CompletionLogprobs:
 
     def payload(self, logprobs: Sequence[TokenLogprob], text: str) -> dict[str, Any]:
         """The logprobs of ``logprobs``' tokens, which brought ``text`` (their offsets start
-        where the last call's text ended)."""
+        where the last call's text ended; a piece of several tokens, such as a run a grammar
+        forced, gives each the offset its own text starts at, within ``text``)."""
         tokens, offsets = [], []
+        within = 0
         for item in logprobs:
-            tokens.append(self._token_bytes(item.token).decode("utf-8", "replace"))
-            offsets.append(self._offset)
+            token = self._token_bytes(item.token).decode("utf-8", "replace")
+            tokens.append(token)
+            offsets.append(self._offset + min(within, len(text)))
+            within += len(token)
         self._offset += len(text)
         return {
             "tokens": tokens,
