@@ -81,8 +81,9 @@ class Engine:
             kv_unified=False,
         )
         self.n_ctx_seq = self.context.n_ctx_seq
+        self.n_batch = self.context.n_batch  # llama.cpp lowers n_batch to n_ctx when it is larger
         self._eog = self.vocab.eog_tokens
-        self._batch = ffi.Batch(config.n_batch)
+        self._batch = ffi.Batch(self.n_batch)
         self._slots = [Slot(i) for i in range(config.n_parallel)]
         self._queue: collections.deque[Choice] = collections.deque()
         self._wakeup = trio.Event()
@@ -94,7 +95,7 @@ class Engine:
         self._mask = ffi.TokenMask(self.vocab.n_tokens)  # scratch for constrained sampling
         self._placer = Placer(self.context, self.stats, config.cache_bytes)
         # Tokens a grammar may force into one sequence's run: every sequence's run fits a step.
-        self._max_forced = config.n_batch // config.n_parallel - 1 if config.fast_forward else 0
+        self._max_forced = self.n_batch // config.n_parallel - 1 if config.fast_forward else 0
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -310,7 +311,7 @@ class Engine:
         # Prompt chunks in arrival order: the earliest-admitted slot first.
         prefilling.sort(key=lambda entry: self._slots[entry[0]].last_used)
         self.stats.paused = paused
-        return scheduler.plan_step(decoding, prefilling, self.config.n_batch)
+        return scheduler.plan_step(decoding, prefilling, self.n_batch)
 
     def _conclude(self, sampled: list[Sampled]) -> None:
         """After a step: decide what each sequence's new tokens do (``scheduler.judge_run``),
