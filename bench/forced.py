@@ -73,30 +73,44 @@ def one(server: ServerProcess, body: dict[str, Any]) -> dict[str, float]:
     seconds = time.perf_counter() - started
     response.raise_for_status()
     after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after[f"llama_trio_{name}_total"] - before[f"llama_trio_{name}_total"]
+
     return {
         "seconds": seconds,
         "tokens": response.json()["usage"]["completion_tokens"],
-        "steps": after["llama_trio_decode_steps_total"] - before["llama_trio_decode_steps_total"],
-        "forced": after["llama_trio_forced_tokens_total"] - before["llama_trio_forced_tokens_total"],
+        "steps": delta("decode_steps"),
+        "forced": delta("forced_tokens"),
+        "sampled": delta("constrained_tokens"),
+        "grammar_seconds": delta("constraint_seconds"),
     }
+
+
+def _median(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _grammar_us(runs: list[dict[str, float]]) -> str:
+    """Grammar work (masks, grammar steps, forced runs) per sampled constrained token."""
+    sampled = sum(r["sampled"] for r in runs)
+    return f"{1e6 * sum(r['grammar_seconds'] for r in runs) / sampled:.0f}" if sampled else "-"
 
 
 def table(results: dict[tuple[str, str], list[dict[str, float]]]) -> str:
     lines = [
-        "| answer | tokens | forced | decode steps (ff / off) | ms per answer (ff / off) | off / ff |",
-        "|---|---|---|---|---|---|",
+        "| answer | tokens | forced | decode steps (ff / off) | grammar us per sampled token (ff / off) "
+        "| ms per answer (ff / off) | off / ff |",
+        "|---|---|---|---|---|---|---|",
     ]
     for what, _ in CASES:
         on, off = results[(what, SIDES[0])], results[(what, SIDES[1])]
-
-        def median(runs: list[dict[str, float]], key: str) -> float:
-            return statistics.median(r[key] for r in runs)
-
-        tokens, forced = median(on, "tokens"), median(on, "forced")
-        t_on, t_off = 1000 * median(on, "seconds"), 1000 * median(off, "seconds")
+        tokens, forced = _median(on, "tokens"), _median(on, "forced")
+        t_on, t_off = 1000 * _median(on, "seconds"), 1000 * _median(off, "seconds")
         lines.append(
             f"| {what} | {tokens:.0f} | {forced:.0f} ({forced / tokens:.0%}) | "
-            f"{median(on, 'steps'):.0f} / {median(off, 'steps'):.0f} | {t_on:.0f} / {t_off:.0f} | {t_off / t_on:.2f} |"
+            f"{_median(on, 'steps'):.0f} / {_median(off, 'steps'):.0f} | {_grammar_us(on)} / {_grammar_us(off)} | "
+            f"{t_on:.0f} / {t_off:.0f} | {t_off / t_on:.2f} |"
         )
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ Public API::
 
 Each turn of the loop (``Engine.run``): drop released jobs (``_reap``), give queued jobs free
 sequences (``_admit``, keeping the cells of the longest cached prompt prefix), plan one batch
-(``_plan``: one token per generating sequence plus prompt chunks, see
+(``_plan``: each generating sequence's run plus prompt chunks, see
 ``scheduler.plan_step``), and run fill + ``llama_decode`` + sampling in the decode thread
 (``step.run_step``). Meanwhile the pieces the previous step produced go out (``Outbox.hand_out``):
 to the reader's sink when one is armed (``Pieces.deliver_directly``), otherwise into that job's

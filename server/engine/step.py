@@ -137,8 +137,9 @@ def run_step(
         started = time.perf_counter()
         sampled, n_forced = _sample_constrained(context, slot, choice, index, mask, max_forced, n_ctx_seq)
         constraint_seconds += time.perf_counter() - started
-        constrained += 1
-        forced += n_forced
+        if n_forced >= 0:
+            constrained += 1
+            forced += n_forced
         out.append(sampled)
     return StepResult(out, decode_seconds, constrained, forced, constraint_seconds)
 
@@ -148,7 +149,7 @@ def _sample_constrained(
 ) -> tuple[Sampled, int]:
     """Judge a forced run left for now (``choice.unjudged``), sample under the grammar's mask at
     batch ``index``, and take the run the grammar forces next. Returns the output and the
-    length of that run."""
+    length of that run (-1: nothing was sampled)."""
     matcher, sampler, wanted = choice.matcher, choice.sampler, choice.job.logprobs
     assert matcher is not None and sampler is not None
     n_left = choice.unjudged
@@ -165,7 +166,7 @@ def _sample_constrained(
             sampled.tokens.append(token)
         if left and matcher.done:  # the run ended the grammar: nothing to sample
             sampled.grammar_done = True
-            return sampled, 0
+            return sampled, -1
         matcher.fill_mask(mask)
         token = sampler.sample(context, index, mask)
         if wanted is not None:  # the row is masked now: the grammar's distribution
