@@ -27,9 +27,8 @@ Writes ``bench/results/chats.md`` and ``chats.json``.
 
 from __future__ import annotations
 
+import pathlib
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -38,23 +37,11 @@ from typing import Any
 import trio
 
 from bench import common
-from bench.server import (
-    LLAMA_SERVER,
-    SIDES,
-    Config,
-    Metric,
-    Session,
-    StreamResult,
-    chat_body,
-    end_of_generation_tokens,
-    measure_startup,
-    metric_rows,
-    server_command,
-    stream_chat,
-    summarise_metrics,
-    wait_quiet,
-)
-from tests.support.ports import free_port
+from bench.support.client import StreamResult
+from bench.support.measures import wait_quiet
+from bench.support.report import Metric, metric_rows, summarise_metrics
+from bench.support.servers import LLAMA_SERVER, Shape, abba, end_of_generation_tokens, launch
+from bench.support.workload import Session
 
 MEASURES = "many chats on few sequences: host prompt cache and slot choice, ours vs llama-server"
 PARALLEL = 4
@@ -78,7 +65,7 @@ def document(seed: int, words: int) -> str:
 
 
 async def ask(session: Session, messages: list[dict[str, str]]) -> StreamResult:
-    result = await stream_chat(session.port, chat_body(messages, MAX_TOKENS, session.banned))
+    result = await session.send(messages, MAX_TOKENS)
     if result.failure or result.status != 200 or result.completion_tokens != MAX_TOKENS or not result.well_formed:
         raise RuntimeError(f"a chat request failed: status={result.status} failure={result.failure} {result.error}")
     return result
@@ -136,38 +123,28 @@ async def measure_many_chats(session: Session) -> dict[str, Any]:
     }
 
 
-def run_side(side: str, exe: Any, model_path: Any, cfg: Config, banned: Sequence[int], logdir: Any) -> dict[str, Any]:
-    port = free_port()
-    command = server_command(side, exe, model_path, cfg, port, parallel=PARALLEL, ctx=CTX)
-    log_path = logdir / f"{side}-{port}.log"
-    started = time.perf_counter()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            command, cwd=common.REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-        )
-        session = Session(port, proc, banned)
-        out: dict[str, Any] = {"side": side}
-
-        async def measure() -> None:
-            out["startup_s"] = await measure_startup(port, started, proc)
-            out["alternating_waited_s"] = await wait_quiet(session, cfg.max_foreign)
-            out["alternating"] = await measure_alternating(session)
-            out["many_chats_waited_s"] = await wait_quiet(session, cfg.max_foreign)
-            out["many_chats"] = await measure_many_chats(session)
-
-        try:
-            trio.run(measure)
-        except BaseException:
-            print(f"--- {side} log tail ---\n{log_path.read_text(errors='replace')[-3000:]}", file=sys.stderr)
-            raise
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+async def measure_all(session: Session, max_foreign: float) -> dict[str, Any]:
+    """Startup, then each scenario once the machine is quiet."""
+    out: dict[str, Any] = {"startup_s": await session.server.wait_ready()}
+    out["alternating_waited_s"] = await wait_quiet(session, max_foreign)
+    out["alternating"] = await measure_alternating(session)
+    out["many_chats_waited_s"] = await wait_quiet(session, max_foreign)
+    out["many_chats"] = await measure_many_chats(session)
     return out
+
+
+def run_side(
+    side: str,
+    exe: pathlib.Path,
+    model_path: pathlib.Path,
+    shape: Shape,
+    max_foreign: float,
+    banned: Sequence[int],
+    logdir: pathlib.Path,
+) -> dict[str, Any]:
+    """Launch one server, measure both scenarios, stop it."""
+    with launch(side, exe, model_path, shape, logdir) as server:
+        return {"side": side, **trio.run(measure_all, Session(server, banned), max_foreign)}
 
 
 ROWS: tuple[Metric, ...] = (
@@ -201,8 +178,6 @@ def markdown(summary: dict[str, Any], runs: int, info: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import pathlib
-
     parser = common.parser(
         MEASURES,
         tool=LLAMA_SERVER,
@@ -213,23 +188,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if min(args.runs, args.threads) < 1:
         parser.error("--runs and --threads must be at least 1")
-    cfg = Config(args.threads, 1, 1, 1, args.max_foreign, 0)
+    shape = Shape(PARALLEL, CTX, args.threads)
     model_path = common.model_path(args.model)
     exe = common.llama_tool(LLAMA_SERVER, build=not args.no_build)
     banned = end_of_generation_tokens(model_path)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-chats-") as tmp:
-        for i in range(args.runs):
-            for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-                run = run_side(side, exe, model_path, cfg, banned, pathlib.Path(tmp))
-                chats = run["many_chats"]
-                print(
-                    f"run {i + 1}/{args.runs} {side:<12} later-turn TTFT p50 {1000 * chats['later_ttft_p50_s']:.0f} ms "
-                    f"(cached {chats['later_cached_tokens_p50']:.0f} of {chats['later_prompt_tokens_p50']:.0f}), "
-                    f"alternating repeats {1000 * run['alternating']['p50_s']:.0f} ms",
-                    flush=True,
-                )
-                runs.append(run)
+        for i, side in abba(args.runs):
+            run = run_side(side, exe, model_path, shape, args.max_foreign, banned, pathlib.Path(tmp))
+            chats = run["many_chats"]
+            print(
+                f"run {i + 1}/{args.runs} {side:<12} later-turn TTFT p50 {1000 * chats['later_ttft_p50_s']:.0f} ms "
+                f"(cached {chats['later_cached_tokens_p50']:.0f} of {chats['later_prompt_tokens_p50']:.0f}), "
+                f"alternating repeats {1000 * run['alternating']['p50_s']:.0f} ms",
+                flush=True,
+            )
+            runs.append(run)
     summary = summarise_metrics(runs, ROWS)
     info = {"threads": args.threads, "git": common.git_version(), "llama_cpp": common.llama_pin()}
     table = markdown(summary, args.runs, info)

@@ -328,7 +328,7 @@ def _widths(text: str) -> list[int]:
     return widths
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = common.parser(
         MEASURES,
         tool=BATCHED_BENCH,
@@ -348,47 +348,65 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--runs, --pp, --tg and --threads must be at least 1")
     if args.ctx_per_seq < args.pp + args.tg + 1:
         parser.error("--ctx-per-seq must hold pp + tg + 1 tokens")
+    return args
 
+
+def run_pairs(
+    args: argparse.Namespace,
+    cfg: Config,
+    model: ffi.Model,
+    model_path: pathlib.Path,
+    exe: pathlib.Path,
+    banned: list[int],
+) -> tuple[list[Run], list[Run], list[dict[str, Any]]]:
+    """Every width ``args.runs`` times, ours and batched-bench side by side; a pair that other
+    processes disturbed is run again. Returns the runs kept, the runs discarded and
+    batched-bench's records."""
+    runs: list[Run] = []
+    discarded: list[Run] = []
+    records: list[dict[str, Any]] = []
+    order = 0
+    for i in range(args.runs):
+        for width in args.widths:
+            for attempt in range(args.retries + 1):
+                common.wait_for_quiet(args.max_foreign)
+                # ABBA: which side runs first (right after the quiet wait) flips every pair,
+                # so neither always gets the idle machine or the warm one.
+                if i % 2 == 0:
+                    order += 1
+                    mine = run_ours(model, cfg, width, order, banned)
+                    order += 1
+                    theirs, record = run_batched_bench(exe, model_path, cfg, width, order)
+                else:
+                    order += 1
+                    theirs, record = run_batched_bench(exe, model_path, cfg, width, order)
+                    order += 1
+                    mine = run_ours(model, cfg, width, order, banned)
+                busy = max(mine.foreign_cores or 0.0, theirs.foreign_cores or 0.0)
+                print(
+                    f"run {i + 1}/{args.runs} W={width:<3} ours {mine.tg_tps:6.1f}  batched-bench "
+                    f"{theirs.tg_tps:6.1f} tok/s  (other load {busy:.2f} cores)",
+                    flush=True,
+                )
+                if busy <= args.max_foreign or attempt == args.retries:
+                    break
+                discarded.extend([mine, theirs])
+                print("  other processes were busy: this pair is run again", flush=True)
+            runs.extend([mine, theirs])
+            records.append(record)
+    return runs, discarded, records
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     cfg = Config(args.threads, args.pp, args.tg, args.ctx_per_seq, args.batch)
     model_path = common.model_path(args.model)
     exe = common.llama_tool(BATCHED_BENCH, build=not args.no_build)
     machine = common.machine_info()
-
-    runs: list[Run] = []
-    discarded: list[Run] = []
-    records: list[dict[str, Any]] = []
     with ffi.Model(model_path) as model:
         banned = end_of_generation_tokens(model.vocab)
         model_info = {"path": str(model_path), "name": model.name, "size_bytes": model.size_bytes}
-        order = 0
-        for i in range(args.runs):
-            for width in args.widths:
-                for attempt in range(args.retries + 1):
-                    common.wait_for_quiet(args.max_foreign)
-                    # ABBA: which side runs first (right after the quiet wait) flips every pair,
-                    # so neither always gets the idle machine or the warm one.
-                    if i % 2 == 0:
-                        order += 1
-                        mine = run_ours(model, cfg, width, order, banned)
-                        order += 1
-                        theirs, record = run_batched_bench(exe, model_path, cfg, width, order)
-                    else:
-                        order += 1
-                        theirs, record = run_batched_bench(exe, model_path, cfg, width, order)
-                        order += 1
-                        mine = run_ours(model, cfg, width, order, banned)
-                    busy = max(mine.foreign_cores or 0.0, theirs.foreign_cores or 0.0)
-                    print(
-                        f"run {i + 1}/{args.runs} W={width:<3} ours {mine.tg_tps:6.1f}  batched-bench "
-                        f"{theirs.tg_tps:6.1f} tok/s  (other load {busy:.2f} cores)",
-                        flush=True,
-                    )
-                    if busy <= args.max_foreign or attempt == args.retries:
-                        break
-                    discarded.extend([mine, theirs])
-                    print("  other processes were busy: this pair is run again", flush=True)
-                runs.extend([mine, theirs])
-                records.append(record)
+        runs, discarded, records = run_pairs(args, cfg, model, model_path, exe, banned)
 
     table, summary = report(runs, cfg, args.widths)
     print()

@@ -4,9 +4,11 @@ Importing this package loads the compiled module ``ffi._llama`` (built by ``buil
 initialises llama.cpp's backend once per process.
 """
 
+from ffi import backend
 from ffi._lib import ProgressReporter
+from ffi.backend import BackendError, Device, Placement
 from ffi.chat import ChatTemplate
-from ffi.context import Batch, Context
+from ffi.context import Attention, Batch, Context
 from ffi.errors import (
     ClosedError,
     ContextError,
@@ -26,6 +28,8 @@ from ffi.sampler import Sampler, SamplingParams, TokenMask
 from ffi.vocab import Detokenizer, Vocab
 
 __all__ = [
+    "Attention",
+    "BackendError",
     "Batch",
     "ChatTemplate",
     "ClosedError",
@@ -33,6 +37,7 @@ __all__ = [
     "ContextError",
     "DecodeAbortedError",
     "DecodeError",
+    "Device",
     "Detokenizer",
     "FatalDecodeError",
     "InvalidBatchError",
@@ -40,6 +45,7 @@ __all__ = [
     "Model",
     "ModelLoadError",
     "NoKvSlotError",
+    "Placement",
     "ProgressReporter",
     "Sampler",
     "SamplingParams",
@@ -47,5 +53,6 @@ __all__ = [
     "TokenMask",
     "TokenizeError",
     "Vocab",
+    "backend",
     "check_decode",
 ]

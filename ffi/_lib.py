@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 
 try:
     from ffi._llama import ffi, lib
@@ -18,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build state
         f"reinstall llama-trio: {exc}"
     ) from exc
 
-__all__ = ["ffi", "lib", "ProgressReporter"]
+__all__ = ["ffi", "lib", "ProgressReporter", "log_lines"]
 
 log = logging.getLogger("llama_trio.llama_cpp")
 
@@ -43,9 +45,26 @@ def _llama_trio_log(level: int, text: object, _user_data: object) -> None:
     buf = getattr(_pending, "buf", "") + chunk
     lines = buf.split("\n")
     _pending.buf = lines.pop()
+    tap = getattr(_pending, "tap", None)
+    level = getattr(_pending, "level", logging.DEBUG)
     for line in lines:
         if line.strip():
-            log.log(getattr(_pending, "level", logging.DEBUG), "%s", line.rstrip())
+            if tap is not None:
+                tap.append((level, line.rstrip()))
+            log.log(level, "%s", line.rstrip())
+
+
+@contextlib.contextmanager
+def log_lines() -> Iterator[list[tuple[int, str]]]:
+    """Every line llama.cpp logs from this thread inside the block, at any level (debug lines
+    too, whatever the logger lets through), as (logging level, text) in the list it yields."""
+    previous = getattr(_pending, "tap", None)
+    lines: list[tuple[int, str]] = []
+    _pending.tap = lines
+    try:
+        yield lines
+    finally:
+        _pending.tap = previous
 
 
 class ProgressReporter:
@@ -55,12 +74,14 @@ class ProgressReporter:
         self.what = what
         self.logger = logger
         self.aborted = False
+        self.progress = 0.0  # the last fraction reported, 0 to 1
         self._last_decile = -1
 
     def abort(self) -> None:
         self.aborted = True
 
     def report(self, progress: float) -> bool:
+        self.progress = progress
         decile = int(progress * 4)
         if decile != self._last_decile:
             self._last_decile = decile

@@ -8,6 +8,7 @@ as strings and never compiled, so Jinja syntax inside a message comes out as tex
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
@@ -74,6 +75,25 @@ class ChatTemplate:
             except Exception as exc:
                 logger.warning("chat template failed to render (%s); using llama.cpp's", exc)
         return apply_builtin_template(self.source, messages, add_generation_prompt)
+
+    @functools.cached_property
+    def named_roles(self) -> frozenset[str]:
+        """The roles (of system, user and assistant) whose messages' ``name`` this template
+        puts in the prompt: a probe name rendered in a short conversation for each."""
+        probe = "llamatrioNameProbe"
+        conversations = {
+            "system": [{"role": "system", "content": "s", "name": probe}, {"role": "user", "content": "u"}],
+            "user": [{"role": "user", "content": "u", "name": probe}],
+            "assistant": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "name": probe}],
+        }
+        named = set()
+        for role, messages in conversations.items():
+            try:
+                if probe in self.render(messages, add_generation_prompt=False):
+                    named.add(role)
+            except TemplateError:
+                pass  # a template that refuses the probe is not known to render names
+        return frozenset(named)
 
 
 def apply_builtin_template(template: str, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:

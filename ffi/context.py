@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ffi._lib import ffi, lib
@@ -92,6 +93,46 @@ class Batch:
         self.close()
 
 
+CACHE_TYPES = {
+    "f32": lib.GGML_TYPE_F32,
+    "f16": lib.GGML_TYPE_F16,
+    "bf16": lib.GGML_TYPE_BF16,
+    "q8_0": lib.GGML_TYPE_Q8_0,
+    "q4_0": lib.GGML_TYPE_Q4_0,
+    "q4_1": lib.GGML_TYPE_Q4_1,
+    "iq4_nl": lib.GGML_TYPE_IQ4_NL,
+    "q5_0": lib.GGML_TYPE_Q5_0,
+    "q5_1": lib.GGML_TYPE_Q5_1,
+}
+_UNQUANTIZED = frozenset({"f32", "f16", "bf16"})
+FLASH_ATTN = {
+    "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
+
+@dataclass(frozen=True)
+class Attention:
+    """How a context computes attention and keeps its KV cache: flash attention ("auto": where
+    the device supports it), the K and V cache types (``CACHE_TYPES``; a quantized V cache needs
+    flash attention), and whether the KV cache sits on the offload devices with the layers."""
+
+    flash_attn: str = "auto"
+    type_k: str = "f16"
+    type_v: str = "f16"
+    offload_kv: bool = True
+
+    def __post_init__(self) -> None:
+        if self.flash_attn not in FLASH_ATTN:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN)}")
+        for name in (self.type_k, self.type_v):
+            if name not in CACHE_TYPES:
+                raise ValueError(f"KV cache type {name!r} is not one of {', '.join(CACHE_TYPES)}")
+        if self.flash_attn == "off" and self.type_v not in _UNQUANTIZED:
+            raise ValueError(f"a {self.type_v} V cache needs flash attention (on or auto)")
+
+
 POOLING = {
     "none": lib.LLAMA_POOLING_TYPE_NONE,
     "mean": lib.LLAMA_POOLING_TYPE_MEAN,
@@ -121,10 +162,16 @@ class Context:
         kv_unified: bool = True,
         embeddings: bool = False,
         pooling: str | None = None,
+        attention: Attention = Attention(),
     ) -> None:
         """``embeddings``: the context computes one pooled embedding per sequence (``pooling``:
-        "mean", "cls", "last"; None: the model's own) instead of logits."""
+        "mean", "cls", "last"; None: the model's own) instead of logits. The
+        ``llama_context_params`` given to llama.cpp stay readable as ``params``."""
         params = lib.llama_context_default_params()
+        params.flash_attn_type = FLASH_ATTN[attention.flash_attn]
+        params.type_k = CACHE_TYPES[attention.type_k]
+        params.type_v = CACHE_TYPES[attention.type_v]
+        params.offload_kqv = attention.offload_kv
         params.embeddings = embeddings
         if pooling is not None:
             params.pooling_type = POOLING[pooling]
@@ -139,8 +186,10 @@ class Context:
         ptr = lib.llama_init_from_model(model.ptr, params)
         if ptr == ffi.NULL:
             raise ContextError(
-                f"llama.cpp could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, n_seq_max={n_seq_max})"
+                f"llama.cpp could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, n_seq_max={n_seq_max}, "
+                f"KV cache {attention.type_k}/{attention.type_v}, flash attention {attention.flash_attn})"
             )
+        self.params: Any = params
         self.model = model
         self._ptr: Any = ffi.gc(ptr, lib.llama_free)
         self._mem: Any = lib.llama_get_memory(ptr)

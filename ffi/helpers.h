@@ -145,3 +145,34 @@ static float llama_trio_logprobs(const float *logits, int32_t n, int32_t token, 
     }
     return logits[token] - lse;
 }
+
+/* Connect llama.cpp's RPC backend to the rpc-server at endpoint ("host:port") and register its
+ * devices (once per endpoint and process), as llama.cpp's own --rpc does: through the RPC backend's registry entry, so this
+ * compiles and links whether the build has RPC or not. NULL when the build has no RPC backend
+ * or the server offers no device. llama.cpp aborts the process when the server cannot be
+ * reached: the caller checks that first. */
+typedef ggml_backend_reg_t (*llama_trio_rpc_add_server_fn)(const char *endpoint);
+
+static ggml_backend_reg_t llama_trio_rpc_add_server(const char *endpoint)
+{
+    ggml_backend_reg_t rpc = ggml_backend_reg_by_name("RPC");
+    if (rpc == NULL) {
+        return NULL;
+    }
+    llama_trio_rpc_add_server_fn add =
+        (llama_trio_rpc_add_server_fn)ggml_backend_reg_get_proc_address(rpc, "ggml_backend_rpc_add_server");
+    if (add == NULL) {
+        return NULL;
+    }
+    ggml_backend_reg_t reg = add(endpoint);
+    if (reg == NULL) {
+        return NULL;
+    }
+    for (size_t i = 0; i < ggml_backend_reg_count(); i++) {
+        if (ggml_backend_reg_get(i) == reg) {
+            return reg; /* this endpoint is registered already */
+        }
+    }
+    ggml_backend_register(reg);
+    return reg;
+}

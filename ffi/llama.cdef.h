@@ -36,8 +36,47 @@ typedef struct llama_batch {
     int8_t       *  logits;
 } llama_batch;
 
+/* ggml's backends and devices (ggml-backend.h); the RPC backend is reached through its
+ * registry entry (ffi/helpers.h), so the binding builds with RPC on or off. */
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+enum ggml_backend_dev_type {
+    GGML_BACKEND_DEVICE_TYPE_CPU = ...,
+    GGML_BACKEND_DEVICE_TYPE_GPU = ...,
+    GGML_BACKEND_DEVICE_TYPE_IGPU = ...,
+    GGML_BACKEND_DEVICE_TYPE_ACCEL = ...,
+    ...
+};
+enum ggml_type {
+    GGML_TYPE_F32 = ...,
+    GGML_TYPE_F16 = ...,
+    GGML_TYPE_BF16 = ...,
+    GGML_TYPE_Q8_0 = ...,
+    GGML_TYPE_Q4_0 = ...,
+    GGML_TYPE_Q4_1 = ...,
+    GGML_TYPE_Q5_0 = ...,
+    GGML_TYPE_Q5_1 = ...,
+    GGML_TYPE_IQ4_NL = ...,
+    ...
+};
+enum llama_split_mode {
+    LLAMA_SPLIT_MODE_NONE = ...,
+    LLAMA_SPLIT_MODE_LAYER = ...,
+    LLAMA_SPLIT_MODE_ROW = ...,
+    ...
+};
+enum llama_flash_attn_type {
+    LLAMA_FLASH_ATTN_TYPE_AUTO = ...,
+    LLAMA_FLASH_ATTN_TYPE_DISABLED = ...,
+    LLAMA_FLASH_ATTN_TYPE_ENABLED = ...,
+    ...
+};
+
 struct llama_model_params {
     int32_t n_gpu_layers;
+    enum llama_split_mode split_mode;
+    int32_t main_gpu;
+    const float * tensor_split;
     llama_progress_callback progress_callback;
     void * progress_callback_user_data;
     bool vocab_only;
@@ -56,6 +95,10 @@ enum llama_pooling_type {
 
 struct llama_context_params {
     enum llama_pooling_type pooling_type;
+    enum llama_flash_attn_type flash_attn_type;
+    enum ggml_type type_k;
+    enum ggml_type type_v;
+    bool offload_kqv;
     bool embeddings;
     uint32_t n_ctx;
     uint32_t n_batch;
@@ -90,6 +133,19 @@ void llama_backend_init(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 const char * llama_print_system_info(void);
 size_t llama_max_parallel_sequences(void);
+size_t llama_max_devices(void);
+bool llama_supports_gpu_offload(void);
+bool llama_supports_rpc(void);
+
+/* backend devices */
+size_t ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
 
 /* model */
 struct llama_model_params llama_model_default_params(void);
@@ -97,6 +153,7 @@ struct llama_model * llama_model_load_from_file(const char * path_model, struct 
 void llama_model_free(struct llama_model * model);
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
+int32_t llama_model_n_layer(const struct llama_model * model);
 int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
 int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
 uint64_t llama_model_size(const struct llama_model * model);
@@ -179,6 +236,7 @@ void llama_sampler_free(struct llama_sampler * smpl);
 int32_t llama_trio_greedy(const float * logits, int32_t n, const int32_t * bias_tokens,
                           const float * bias_values, int32_t n_bias);
 void llama_trio_apply_mask(float * logits, int32_t n, const uint32_t * mask);
+ggml_backend_reg_t llama_trio_rpc_add_server(const char * endpoint);
 float llama_trio_logprobs(const float * logits, int32_t n, int32_t token, int32_t k, int32_t * top_tokens,
                           float * top_logprobs);
 

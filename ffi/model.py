@@ -6,9 +6,11 @@ import hashlib
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ffi._lib import ProgressReporter, ffi, lib
+from ffi._lib import ProgressReporter, ffi, lib, log_lines
+from ffi.backend import Placement
 from ffi.errors import ClosedError, ModelLoadError
 from ffi.vocab import Vocab
 
@@ -19,9 +21,21 @@ logger = logging.getLogger("llama_trio.ffi")
 
 _GGUF_MAGIC = b"GGUF"
 
+SPLIT_MODES = {
+    "none": lib.LLAMA_SPLIT_MODE_NONE,
+    "layer": lib.LLAMA_SPLIT_MODE_LAYER,
+    "row": lib.LLAMA_SPLIT_MODE_ROW,
+}
+
 
 class Model:
     """A llama.cpp model loaded from a GGUF file, on the CPU unless ``n_gpu_layers`` says more.
+
+    ``n_gpu_layers``: layers on the offload devices (GPUs, RPC servers; -1: all), as llama.cpp
+    counts them (the output layer is one); ``split_mode`` ("none", "layer", "row"),
+    ``main_gpu`` and ``tensor_split`` (a proportion per device) say how they share them. The
+    ``llama_model_params`` given to llama.cpp stay readable as ``load_params``; where the
+    layers went, as llama.cpp logged it while loading, is ``placement``.
 
     Loading blocks for as long as llama.cpp reads the file: call it from a worker thread in
     async code. ``progress`` receives load progress and can abort the load.
@@ -36,6 +50,9 @@ class Model:
         path: str | os.PathLike[str],
         *,
         n_gpu_layers: int = 0,
+        split_mode: str = "layer",
+        main_gpu: int = 0,
+        tensor_split: Sequence[float] = (),
         vocab_only: bool = False,
         progress: ProgressReporter | None = None,
     ) -> None:
@@ -43,21 +60,39 @@ class Model:
         _check_gguf_file(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.split_mode = SPLIT_MODES[split_mode]
+        params.main_gpu = main_gpu
+        if tensor_split:
+            if len(tensor_split) > lib.llama_max_devices():
+                raise ValueError(
+                    f"tensor_split has {len(tensor_split)} values; llama.cpp takes at most {lib.llama_max_devices()}"
+                )
+            self._tensor_split = ffi.new("float[]", lib.llama_max_devices())
+            self._tensor_split[0 : len(tensor_split)] = list(tensor_split)
+            params.tensor_split = self._tensor_split
         params.vocab_only = vocab_only
         if progress is None:
             progress = ProgressReporter(os.path.basename(self.path), logger)
         handle = ffi.new_handle(progress)
         params.progress_callback = lib._llama_trio_progress
         params.progress_callback_user_data = handle
-        ptr = lib.llama_model_load_from_file(self.path.encode(), params)
+        self.load_params: Any = params
+        with log_lines() as lines:
+            ptr = lib.llama_model_load_from_file(self.path.encode(), params)
+        params.progress_callback = ffi.NULL  # the reporter's handle dies with this call
+        params.progress_callback_user_data = ffi.NULL
+        self.placement = Placement.from_log([text for _, text in lines])
         if ptr == ffi.NULL:
             if progress.aborted:
                 raise ModelLoadError(f"loading {self.path} was aborted")
-            raise ModelLoadError(f"llama.cpp could not load {self.path} (corrupt or unsupported GGUF)")
+            errors = [text for level, text in lines if level >= logging.ERROR]
+            why = f": {errors[0]}" if errors else " (corrupt or unsupported GGUF)"
+            raise ModelLoadError(f"llama.cpp could not load {self.path}{why}")
         self._ptr: Any = ffi.gc(ptr, lib.llama_model_free)
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
         self.vocab = Vocab(self, lib.llama_model_get_vocab(ptr))
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
+        self.n_layer: int = lib.llama_model_n_layer(ptr)
         self.name: str = self.meta("general.name") or os.path.splitext(os.path.basename(self.path))[0]
         tmpl = lib.llama_model_chat_template(ptr, ffi.NULL)
         self.chat_template: str | None = ffi.string(tmpl).decode("utf-8", "replace") if tmpl != ffi.NULL else None

@@ -11,6 +11,8 @@ from ffi._lib import ffi, lib
 from ffi.context import Context
 from ffi.errors import ClosedError
 
+# LLAMA_DEFAULT_SEED: llama.cpp's dist sampler draws a random seed when given this one.
+RANDOM_SEED = 0xFFFFFFFF
 # llama.cpp's penalty sampler looks back this many tokens (llama-server's default too).
 PENALTY_LAST_N = 64
 
@@ -19,7 +21,7 @@ PENALTY_LAST_N = 64
 class SamplingParams:
     """How to pick the next token. ``temperature <= 0`` means greedy (argmax after biases and
     penalties); ``top_k <= 0``, ``top_p >= 1`` and ``min_p <= 0`` switch those filters off;
-    ``seed=None`` draws a fresh random seed."""
+    ``seed`` is any integer (``dist_seed``); None draws a fresh random seed."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -46,6 +48,13 @@ class TokenMask:
         self.words: Any = ffi.new("uint32_t[]", self.n_words)
         self.address = int(ffi.cast("uintptr_t", self.words))
         self.nbytes = 4 * self.n_words
+
+
+def dist_seed(seed: int) -> int:
+    """The seed llama.cpp's dist sampler gets for ``seed`` (any integer): one of the 2**32 - 1
+    seeds it takes as they are, never ``RANDOM_SEED`` (which it would replace with a random
+    one), so every seed reproduces. Seeds from 0 to 2**32 - 2 are themselves."""
+    return seed % RANDOM_SEED
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -75,7 +84,7 @@ class Sampler:
         chain_params.no_perf = True
         chain = lib.llama_sampler_chain_init(chain_params)
         self._ptr: Any = ffi.gc(chain, lib.llama_sampler_free)
-        self.seed = params.seed if params.seed is not None else secrets.randbits(32)
+        self.seed = dist_seed(params.seed) if params.seed is not None else secrets.randbelow(RANDOM_SEED)
         if params.logit_bias:
             biases = ffi.new("llama_logit_bias[]", len(params.logit_bias))
             for i, (token, bias) in enumerate(params.logit_bias.items()):
@@ -102,7 +111,7 @@ class Sampler:
         if params.min_p > 0.0:
             self._add(lib.llama_sampler_init_min_p(params.min_p, 1))
         self._add(lib.llama_sampler_init_temp(params.temperature))
-        self._add(lib.llama_sampler_init_dist(self.seed & 0xFFFFFFFF))
+        self._add(lib.llama_sampler_init_dist(self.seed))
 
     def _add(self, sampler: Any) -> None:
         # The chain owns what is added to it and frees it with itself.

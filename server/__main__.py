@@ -24,10 +24,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import trio
 
     from server.model_files import DefaultModelMissing
+    from server.models.specs import ModelSpecError
     from server.net.listener import ListenError, inherited_socket
-    from server.serve.lifecycle import Server
+    from server.serve.lifecycle import Service
     from server.serve.restart import take_ready_fd
     from server.state import TemplateFileError
+    from server.store import StoreError
 
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(
@@ -39,17 +41,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ready_fd = take_ready_fd(os.environ)  # set when we are a hot restart's new process
     try:
         sock = inherited_socket(settings.fd, os.environ)
-        server = Server(settings, sock, inherited=sock is not None, ready_fd=ready_fd)
-    except (ListenError, DefaultModelMissing, TemplateFileError) as exc:
+        service = Service(settings, sock, inherited=sock is not None, ready_fd=ready_fd)
+    except (ListenError, DefaultModelMissing, TemplateFileError, ModelSpecError, StoreError) as exc:
         print(f"llama-trio: {exc}", file=sys.stderr)
         return 2
-    host = server.sock.getsockname()[0]
+    host = service.sock.getsockname()[0]
     if not ipaddress.ip_address(host).is_loopback and not settings.api_keys():
         logging.getLogger("llama_trio").warning(
             "listening on %s without an API key: anyone who can reach it may use it", host
         )
-    trio.run(server.serve)
-    if server.state.load_failed is not None:
+    trio.run(service.serve)
+    if service.state.load_failed is not None:
         return 1
     return 0
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from server.engine import EngineStats
+from server.engine import EmbedderStats, EngineStats
+from server.engine.compiler import CompileStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -19,12 +21,31 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
 class _EngineCollector(Collector):
     """Reads the engine's statistics at scrape time."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], draining: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats | None],
+        draining: Callable[[], bool],
+        embedder: Callable[[], EmbedderStats | None],
+    ) -> None:
         self._stats = stats
         self._draining = draining
+        self._embedder = embedder
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("llama_trio_draining", "1 while the server drains for shutdown", value=self._draining())
+        embedder = self._embedder()
+        if embedder is not None:
+            yield GaugeMetricFamily(
+                "llama_trio_embedding_requests",
+                "embeddings requests in progress (embedding or waiting for their turn)",
+                value=embedder.requests,
+            )
+            yield CounterMetricFamily("llama_trio_embedded_inputs", "inputs embedded", value=embedder.inputs)
+            yield CounterMetricFamily(
+                "llama_trio_embeddings_ended_early",
+                "embeddings requests ended before all their inputs were embedded (the client gone, the drain)",
+                value=embedder.ended_early,
+            )
         stats = self._stats()
         if stats is None:
             return
@@ -81,8 +102,81 @@ class _EngineCollector(Collector):
         yield cancels
 
 
+@dataclass(frozen=True)
+class ModelRow:
+    """One configured model's gauges: what a load balancer (the Gateway API Inference
+    Extension's endpoint picker, for one) reads to pick a replica."""
+
+    model: str
+    loaded: bool
+    waiting: int  # requests waiting for a sequence, or for the model to load
+    running: int  # sequences prefilling or generating
+    kv_usage: float  # KV cache cells in use, as a fraction of the context (0 to 1)
+
+
+class _ModelCollector(Collector):
+    """Reads each configured model's gauges at scrape time (labels: the configured ids)."""
+
+    def __init__(self, rows: Callable[[], list[ModelRow]]) -> None:
+        self._rows = rows
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {
+            "loaded": GaugeMetricFamily("llama_trio_model_loaded", "1 while the model is loaded", labels=["model"]),
+            "waiting": GaugeMetricFamily(
+                "llama_trio_model_requests_waiting",
+                "requests waiting for a sequence or for the model's load",
+                labels=["model"],
+            ),
+            "running": GaugeMetricFamily(
+                "llama_trio_model_requests_running", "sequences prefilling or generating", labels=["model"]
+            ),
+            "kv_usage": GaugeMetricFamily(
+                "llama_trio_model_kv_cache_usage_ratio",
+                "KV cache cells in use as a fraction of the model's context (0 to 1)",
+                labels=["model"],
+            ),
+        }
+        for row in self._rows():
+            for name, family in families.items():
+                family.add_metric([row.model], float(getattr(row, name)))
+        yield from families.values()
+
+
+class _GrammarCollector(Collector):
+    """Reads the grammar compiler's statistics at scrape time (zeros before its first use)."""
+
+    def __init__(self, stats: Callable[[], CompileStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._stats() or CompileStats()
+        yield GaugeMetricFamily(
+            "llama_trio_grammar_compiles_waiting", "grammar compiles queued for a thread", value=stats.waiting
+        )
+        yield GaugeMetricFamily(
+            "llama_trio_grammar_compiles_running", "grammar compiles running (abandoned ones too)", value=stats.running
+        )
+        for name, doc, value in (
+            ("compiles", "grammar compiles run", stats.compiles),
+            ("compile_failures", "grammar compiles that refused the grammar", stats.failures),
+            ("cache_hits", "grammars answered from the compiled-grammar cache (within a scope)", stats.cache_hits),
+            ("compiles_refused", "grammar compiles refused because the queue was full", stats.overloaded),
+            ("compiles_abandoned", "waits for a grammar compile that ended first", stats.abandoned),
+            ("compile_seconds", "seconds spent compiling grammars", stats.seconds),
+        ):
+            yield CounterMetricFamily(f"llama_trio_grammar_{name}", doc, value=value)
+
+
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats | None], draining: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats | None],
+        draining: Callable[[], bool],
+        models: Callable[[], list[ModelRow]] = list,
+        grammars: Callable[[], CompileStats | None] = lambda: None,
+        embedder: Callable[[], EmbedderStats | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "llama_trio_requests",
@@ -102,7 +196,9 @@ class Metrics:
             buckets=_TOKEN_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(stats, draining))
+        self.registry.register(_EngineCollector(stats, draining, embedder))
+        self.registry.register(_ModelCollector(models))
+        self.registry.register(_GrammarCollector(grammars))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,10 +11,15 @@ import argparse
 import importlib.metadata
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 ENV_PREFIX = "LLAMA_TRIO_"
+# llama.cpp's KV cache types, as llama-server names them (ffi.context.CACHE_TYPES; not imported
+# here so that --help loads no llama.cpp).
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+_UNQUANTIZED = ("f32", "f16", "bf16")
 
 
 def _default_threads() -> int:
@@ -23,13 +28,28 @@ def _default_threads() -> int:
 
 @dataclass(frozen=True)
 class Settings:
-    model: str | None = None  # None: the embedded default model
+    model: tuple[str, ...] = ()  # PATH, or ID=PATH (repeatable); none: the embedded default model
+    models_dir: str | None = None
+    models_preset: str | None = None
+    models_max: int | None = None  # models loaded at once; None: no bound
+    models_max_mb: int | None = None  # MiB of model files loaded at once; None: no bound
+    models_load_timeout: float = 300.0
+    sleep_idle_seconds: float | None = None  # None: never unload an idle model
     host: str = "127.0.0.1"
     port: int = 8080
     parallel: int = 4
     ctx_size: int = 8192
     batch_size: int = 512
     threads: int = field(default_factory=_default_threads)
+    n_gpu_layers: str = "auto"  # "auto", "all" or a number
+    split_mode: str = "layer"
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] = ()
+    flash_attn: str = "auto"
+    no_kv_offload: bool = False
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    rpc: tuple[str, ...] = ()  # host:port of llama.cpp's rpc-server processes
     alias: str | None = None
     chat_template_file: str | None = None  # None: the model's own template
     embeddings: bool = False
@@ -39,6 +59,8 @@ class Settings:
     max_queue: int = 64
     cache_ram: int = 2048  # MiB
     no_fast_forward: bool = False
+    responses_db: str | None = None  # None: stored responses in memory
+    responses_max_mb: float = 64.0
     max_tokens: int | None = None  # ceiling on any request's max_tokens
     drain_timeout: float = 30.0
     max_body: int = 4 * 1024 * 1024
@@ -65,7 +87,19 @@ class Settings:
 
 
 _HELP = {
-    "model": "GGUF model file (default: the embedded SmolLM2-135M-Instruct)",
+    "model": (
+        "GGUF model file (default: the embedded SmolLM2-135M-Instruct); repeat as ID=PATH to serve several, "
+        "picked per request by `model`"
+    ),
+    "models_dir": "serve every *.gguf in this folder (id: the file name without .gguf; split GGUFs once)",
+    "models_preset": (
+        "TOML or INI file with a [model-id] section per model: model = PATH, aliases, load_on_start, and "
+        "ctx_size, parallel, batch_size, threads, chat_template_file, embeddings, pooling, max_queue for it"
+    ),
+    "models_max": "models loaded at once; loading one more unloads the least recently used idle one",
+    "models_max_mb": "MiB of model files loaded at once (as --models-max)",
+    "models_load_timeout": "seconds a request waits for its model to load (or for room to load it) before 503",
+    "sleep_idle_seconds": "unload a model that no request has used for this long (loaded again on demand)",
     "host": "address to listen on (:: for IPv6 and IPv4)",
     "port": "TCP port",
     "parallel": "sequences decoded together (concurrent requests)",
@@ -75,19 +109,36 @@ _HELP = {
         "CPU threads for llama.cpp; leave a core free when other work shares the machine "
         "(threads that wait on each other stall when one is preempted)"
     ),
+    "n_gpu_layers": (
+        "layers on the GPUs or RPC servers: a number, all, or auto (all when the build has a GPU backend "
+        "that found a device, or --rpc is given; else none)"
+    ),
+    "split_mode": "how several GPUs share the model: none (--main-gpu only), layer or row",
+    "main_gpu": "the GPU that holds the whole model with --split-mode none",
+    "tensor_split": "proportion of the offloaded layers per GPU, in device order, e.g. 3,1",
+    "flash_attn": "flash attention: on, off or auto (where the device supports it)",
+    "no_kv_offload": "keep the KV cache in host memory even when the layers are offloaded",
+    "cache_type_k": "KV cache type for K: " + ", ".join(CACHE_TYPES),
+    "cache_type_v": "KV cache type for V (a quantized one needs flash attention): " + ", ".join(CACHE_TYPES),
+    "rpc": "llama.cpp rpc-server processes to offload layers to, host:port[,host:port...]",
     "alias": "model id reported by the API (default: the model file's name)",
     "chat_template_file": "Jinja chat template to use instead of the model's own (e.g. one that knows tools)",
     "embeddings": "serve /v1/embeddings (a second llama.cpp context on the same model)",
     "pooling": "how embeddings pool their tokens: mean, cls or last (default: the model's own, else mean)",
     "api_key": "accepted API key (repeatable; env: comma-separated)",
     "api_key_file": "file with one API key per line",
-    "max_queue": "requests waiting for a free sequence before 503",
+    "max_queue": "requests waiting for a free sequence or a grammar compile before 503",
     "cache_ram": (
         "MiB of host RAM for prompt prefixes evicted from the sequences, restored when a prompt extends one (0: off)"
     ),
     "no_fast_forward": (
         "sample every token a grammar forces one decode step at a time, instead of decoding the forced run at once"
     ),
+    "responses_db": (
+        "SQLite file for stored responses (/v1/responses), kept across restarts and shared with a hot "
+        "restart's new process (default: in memory)"
+    ),
+    "responses_max_mb": "MiB of stored responses kept (oldest out)",
     "max_tokens": "ceiling on any request's max_tokens (also the default when a request sets none)",
     "drain_timeout": "seconds in-flight requests may run after SIGTERM",
     "max_body": "largest request body in bytes (413 above)",
@@ -109,10 +160,79 @@ _HELP = {
 }
 
 
+# llama-server's other names for our flags.
+_ALIASES = {
+    "n_gpu_layers": ("-ngl", "--gpu-layers"),
+    "split_mode": ("-sm",),
+    "main_gpu": ("-mg",),
+    "tensor_split": ("-ts",),
+    "flash_attn": ("-fa",),
+    "no_kv_offload": ("-nkvo",),
+    "cache_type_k": ("-ctk",),
+    "cache_type_v": ("-ctv",),
+}
+
+
+def _gpu_layers(raw: str) -> str:
+    value = raw.strip().lower()
+    if value in {"auto", "all"}:
+        return value
+    if not value.isdigit():
+        raise ValueError(f"{raw!r} is not a number of layers, all or auto")
+    return str(int(value))
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def convert(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{raw!r} is not one of {', '.join(choices)}")
+        return value
+
+    return convert
+
+
+def _proportions(raw: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in re.split(r"[,/]", raw) if part.strip())
+    except ValueError:
+        raise ValueError(f"{raw!r} is not a list of numbers like 3,1") from None
+    if not values or any(not v >= 0 for v in values) or not sum(values) > 0:
+        raise ValueError(f"{raw!r}: proportions must be numbers >= 0, not all 0")
+    return values
+
+
+_ENDPOINT = re.compile(r"^[^\s:/,]+:\d{1,5}$")
+
+
+def _endpoints(raw: str) -> tuple[str, ...]:
+    servers = tuple(part.strip() for part in raw.split(",") if part.strip())
+    for server in servers:
+        if not _ENDPOINT.match(server) or not 0 < int(server.rsplit(":", 1)[1]) < 65536:
+            raise ValueError(f"{server!r} is not host:port (IPv4 or a name)")
+    if not servers:
+        raise ValueError("no host:port given")
+    return servers
+
+
+# Flags whose values are parsed (and checked) by a function of their text.
+_CONVERT: dict[str, Callable[[str], object]] = {
+    "n_gpu_layers": _gpu_layers,
+    "split_mode": _one_of("none", "layer", "row"),
+    "tensor_split": _proportions,
+    "flash_attn": _one_of("on", "off", "auto"),
+    "cache_type_k": _one_of(*CACHE_TYPES),
+    "cache_type_v": _one_of(*CACHE_TYPES),
+    "rpc": _endpoints,
+}
+
+
 def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
     raw = env.get(ENV_PREFIX + name.upper())
     if raw is None or raw == "":
         return None
+    if name in _CONVERT:
+        return _CONVERT[name](raw)
     if kind is bool:
         return raw.strip().lower() in {"1", "true", "yes", "on"}
     if kind is tuple:
@@ -123,10 +243,22 @@ def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
 def _kind(name: str) -> type:
     defaults = Settings()
     value = getattr(defaults, name)
-    if name in {"model", "alias", "api_key_file", "chat_template_file", "pooling"}:
+    if name == "model":
+        return tuple
+    if name in {
+        "alias",
+        "api_key_file",
+        "chat_template_file",
+        "pooling",
+        "models_dir",
+        "models_preset",
+        "responses_db",
+    }:
         return str
-    if name in {"max_tokens", "fd"}:
+    if name in {"max_tokens", "fd", "models_max", "models_max_mb"}:
         return int
+    if name == "sleep_idle_seconds":
+        return float
     return type(value)
 
 
@@ -138,6 +270,16 @@ def package_version() -> str:
         return "unknown (not installed)"
 
 
+def _argument_type(convert: Callable[[str], object]) -> Callable[[str], object]:
+    def argument(raw: str) -> object:
+        try:
+            return convert(raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return argument
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llama-trio",
@@ -146,14 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     for f in fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
         kind = _kind(f.name)
-        if kind is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=_HELP[f.name])
+        if f.name in _CONVERT:
+            parser.add_argument(*flags, type=_argument_type(_CONVERT[f.name]), default=None, help=_HELP[f.name])
+        elif kind is bool:
+            parser.add_argument(*flags, action="store_true", default=None, help=_HELP[f.name])
         elif kind is tuple:
-            parser.add_argument(flag, action="append", default=None, help=_HELP[f.name])
+            parser.add_argument(*flags, action="append", default=None, help=_HELP[f.name])
         else:
-            parser.add_argument(flag, type=kind, default=None, help=_HELP[f.name])
+            parser.add_argument(*flags, type=kind, default=None, help=_HELP[f.name])
     return parser
 
 
@@ -168,7 +312,10 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         if isinstance(value, list):
             value = tuple(value)
         if value is None:
-            value = _env_value(f.name, _kind(f.name), env)
+            try:
+                value = _env_value(f.name, _kind(f.name), env)
+            except ValueError as exc:
+                parser.error(f"{ENV_PREFIX}{f.name.upper()}: {exc}")
         if value is not None:
             values[f.name] = value
     settings = Settings(**values)  # type: ignore[arg-type]
@@ -176,8 +323,20 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error("--pooling must be mean, cls or last")
     if settings.cache_ram < 0:
         parser.error("--cache-ram must be 0 (off) or a number of MiB")
+    if not settings.responses_max_mb > 0:  # also NaN
+        parser.error("--responses-max-mb must be a positive number of MiB (fractions allowed)")
     if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
         parser.error("--ping-interval must be a positive number of seconds")
+    for name in ("models_max", "models_max_mb"):
+        value = getattr(settings, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not settings.models_load_timeout > 0:
+        parser.error("--models-load-timeout must be a positive number of seconds")
+    if settings.sleep_idle_seconds is not None and not settings.sleep_idle_seconds > 0:
+        parser.error("--sleep-idle-seconds must be a positive number of seconds")
+    if settings.flash_attn == "off" and settings.cache_type_v not in _UNQUANTIZED:
+        parser.error(f"--cache-type-v {settings.cache_type_v} needs flash attention: --flash-attn on or auto")
     return settings
 
 

@@ -1,165 +1,141 @@
-"""``ServerState``: the model and engine behind the app, and the serving phase they are in.
+"""``ServerState``: the models behind the app and the serving phase they are in.
 
-One instance per app. ``run_engine`` loads the model, runs the engine until ``stop_engine`` is
-called, then frees both; the lifecycle (or, under the hypercorn CLI, the app's lifespan) runs it
-in a nursery.
+One instance per app. ``run_models`` runs the ``ModelRegistry`` (which loads the models marked
+to load at start, and others on demand) until ``stop_models``; the lifecycle (or, under the
+hypercorn CLI, the app's lifespan) runs it in a nursery. ``ready`` is set once the models loaded
+at start serve (or one failed: ``load_failed``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import pathlib
-import time
+import dataclasses
 
 import trio
 
-import ffi
-from server.engine import Engine, EngineConfig, EngineStats, open_engine
-from server.engine.embedder import Embedder, open_embedder
-from server.engine.grammar import GrammarCache, build_tokenizer
-from server.metrics import Metrics
-from server.model_files import default_model_path
+from server.engine import EmbedderStats, Engine, EngineStats
+from server.engine.compiler import CompileStats
+from server.engine.embedder import Embedder
+from server.metrics import Metrics, ModelRow
+from server.models.registry import ModelRegistry
+from server.models.runtime import ModelInfo, TemplateFileError
 from server.settings import Settings
+from server.store import MIB, ResponseStore
 
-logger = logging.getLogger("llama_trio.state")
-
-
-class TemplateFileError(OSError):
-    """``--chat-template-file`` cannot be read; the message names the file."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
-
-
-def _read_template(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return pathlib.Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TemplateFileError(0, f"cannot read the chat template file {path}: {exc}") from None
+__all__ = ["ModelInfo", "ServerState", "TemplateFileError"]
 
 
 class ServerState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.model_path = settings.model or str(default_model_path())
-        self.model_id = settings.alias or os.path.basename(self.model_path)
-        self.created = int(time.time())
-        self.engine: Engine | None = None
-        self.template: ffi.ChatTemplate | None = None
-        self.fingerprint = ""
-        self.model_name: str | None = None  # the GGUF's general.name, once loaded
-        self.embedder: Embedder | None = None
-        self._template_source = _read_template(settings.chat_template_file)
+        self.models = ModelRegistry(settings)
         self.draining = False
-        self.load_failed: BaseException | None = None
-        self.ready = trio.Event()
-        self._stop = trio.Event()
-        self._progress = ffi.ProgressReporter(os.path.basename(self.model_path), logger)
-        self.metrics = Metrics(lambda: self.engine.stats if self.engine else None, lambda: self.draining)
-        self._grammars: GrammarCache | None = None
-        self._grammars_lock = trio.Lock()
-
-    async def grammars(self) -> GrammarCache:
-        """The grammar compiler for the loaded model, made on first use (llguidance's view of
-        the vocabulary: about 0.3 s, in a worker thread). Call only while the engine runs.
-
-        *Cancellation*: a build in progress is waited for (never abandoned), then kept.
-        """
-        async with self._grammars_lock:
-            if self._grammars is None:
-                engine = self.engine
-                assert engine is not None
-                vocab = engine.vocab
-                tokenizer = await trio.to_thread.run_sync(build_tokenizer, vocab, vocab.eog_tokens)
-                self._grammars = GrammarCache(tokenizer)
-            return self._grammars
+        self.metrics = Metrics(
+            self.engine_stats, lambda: self.draining, self.model_rows, self.compile_stats, self.embedder_stats
+        )
+        # Opened now, before any event loop (a bad --responses-db fails the start); closed by
+        # ``run_store``.
+        self.responses = ResponseStore(settings.responses_db, int(settings.responses_max_mb * MIB))
+        self._store_closing = trio.Event()
 
     @property
-    def stats(self) -> EngineStats | None:
-        return self.engine.stats if self.engine else None
+    def ready(self) -> trio.Event:
+        return self.models.started
 
-    def stop_engine(self) -> None:
-        """Let ``run_engine`` finish (aborting a model load in progress)."""
-        self._progress.abort()
-        self._stop.set()
+    @property
+    def load_failed(self) -> BaseException | None:
+        return self.models.load_failed
 
-    async def run_engine(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Load the model, serve with the engine until ``stop_engine``, then free everything.
+    def engines(self) -> list[Engine]:
+        return list(self.models.engines())
 
-        *Cancellation*: a load in progress is aborted through llama.cpp's progress callback (the
-        loading thread is waited for, never abandoned); a running engine is stopped as by
-        ``open_engine``.
+    async def run_store(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the responses store open until ``stop_models``, then close it.
+
+        *Cancellation*: the store is closed (shielded) once no call on it is running.
         """
         task_status.started()
-        s = self.settings
-        started = time.monotonic()
         try:
-            model = await trio.to_thread.run_sync(self._load_model)
-        except ffi.ModelLoadError as exc:
-            if not self._stop.is_set():
-                logger.error("%s", exc)
-                self.load_failed = exc
-            self.ready.set()
-            return
-        try:
-            # Changes when the model or the llama.cpp build does (OpenAI's system_fingerprint).
-            self.fingerprint = f"fp_{model.fingerprint()}"
-            self.model_name = model.name
-            self.template = ffi.ChatTemplate(
-                self._template_source or model.chat_template,
-                bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else "",
-            )
-            config = EngineConfig(
-                n_parallel=s.parallel,
-                n_ctx=s.ctx_size,
-                n_batch=s.batch_size,
-                n_threads=s.threads,
-                max_queue=s.max_queue,
-                cache_bytes=s.cache_ram * 1024 * 1024,
-                fast_forward=not s.no_fast_forward,
-            )
-            async with contextlib.AsyncExitStack() as stack:
-                engine = await stack.enter_async_context(open_engine(model, config))
-                if s.embeddings:
-                    self.embedder = await stack.enter_async_context(
-                        open_embedder(
-                            model,
-                            n_ctx=s.batch_size * s.parallel,
-                            n_batch=s.batch_size,
-                            n_seq_max=s.parallel,
-                            n_threads=s.threads,
-                            pooling=s.pooling,
-                        )
-                    )
-                self.engine = engine
-                logger.info(
-                    "model %s ready in %.1f s: %s, %d sequences x %d tokens, %d threads",
-                    self.model_id,
-                    time.monotonic() - started,
-                    model.description,
-                    s.parallel,
-                    engine.n_ctx_seq,
-                    s.threads,
-                )
-                self.ready.set()
-                await self._stop.wait()
+            await self._store_closing.wait()
         finally:
-            self.engine = None
-            self.embedder = None
-            model.close()
+            await self.responses.aclose()
 
-    def _load_model(self) -> ffi.Model:
-        model = ffi.Model(self.model_path, progress=self._progress)
-        try:
-            # One pass over the vocabulary each, here in the loading thread rather than on the
-            # event loop at the first request that needs them.
-            model.vocab.control_pattern  # noqa: B018
-            model.vocab.eog_tokens  # noqa: B018
-        except BaseException:
-            model.close()
-            raise
-        return model
+    def embedders(self) -> list[Embedder]:
+        return [r.embedder for r in self.models.runtimes() if r.embedder is not None]
+
+    def embedder_stats(self) -> EmbedderStats | None:
+        """The embedders' statistics together (the loaded models'); None when none runs."""
+        found = [e.stats for e in self.embedders()]
+        if not found:
+            return None
+        total = EmbedderStats()
+        for stats in found:
+            for field in dataclasses.fields(EmbedderStats):
+                setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+        return total
+
+    def engine_stats(self) -> EngineStats | None:
+        """Every model's engine statistics together (counters include unloaded engines'); None
+        before any engine ran."""
+        engines = self.engines()
+        if not engines and self.models.retired.decode_steps == 0:
+            return None
+        total = dataclasses.replace(self.models.retired, cancellations=dict(self.models.retired.cancellations))
+        for engine in engines:
+            stats = engine.stats
+            for field in dataclasses.fields(EngineStats):
+                name = field.name
+                if name == "cancellations":
+                    for phase, count in stats.cancellations.items():
+                        total.cancellations[phase] = total.cancellations.get(phase, 0) + count
+                elif name == "last_step_seconds":
+                    total.last_step_seconds = max(total.last_step_seconds, stats.last_step_seconds)
+                else:  # counters and gauges both add up over the models
+                    setattr(total, name, getattr(total, name) + getattr(stats, name))
+        return total
+
+    def model_rows(self) -> list[ModelRow]:
+        """Each model's load and load-balancing gauges, for /metrics."""
+        rows = []
+        for spec in self.models.specs:
+            runtime = self.models.runtime(spec.id)
+            engine = runtime.engine if runtime is not None else None
+            stats = engine.stats if engine is not None else None
+            rows.append(
+                ModelRow(
+                    spec.id,
+                    loaded=engine is not None,
+                    waiting=self.models.waiting(spec.id) + (stats.queued if stats else 0),
+                    running=stats.active if stats else 0,
+                    kv_usage=stats.kv_cells_used / engine.config.n_ctx if engine is not None and stats else 0.0,
+                )
+            )
+        return rows
+
+    def compile_stats(self) -> CompileStats | None:
+        """Every model's grammar compiler's statistics together; None before any compiled."""
+        found = [r.compile_stats for r in self.models.runtimes() if r.compile_stats is not None]
+        if not found:
+            return None
+        total = CompileStats()
+        for stats in found:
+            for field in dataclasses.fields(CompileStats):
+                setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+        return total
+
+    def stop_compiles(self) -> None:
+        """A shutdown's drain: every model's waiting grammar compiles end with a 503."""
+        for runtime in self.models.runtimes():
+            runtime.stop_compiles()
+
+    def stop_models(self) -> None:
+        """Let ``run_models`` and ``run_store`` finish (aborting loads in progress)."""
+        self.models.close()
+        self._store_closing.set()
+
+    async def run_models(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the models until ``stop_models``, then free everything.
+
+        *Cancellation*: loads in progress are aborted (their threads waited for, never
+        abandoned); running engines are stopped as by ``open_engine``.
+        """
+        await self.models.run(task_status=task_status)

@@ -321,7 +321,7 @@ def test_no_api_key_means_open(server: ServerProcess) -> None:
 
 def test_health_and_metrics(server: ServerProcess) -> None:
     response = httpx.get(server.url + "/health")
-    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    assert response.status_code == 200 and response.json()["status"] == "ok"
     metrics = server.metrics()
     assert metrics["llama_trio_draining"] == 0
     assert any(k.startswith("llama_trio_requests_total{endpoint=/v1/chat/completions,status=200}") for k in metrics)

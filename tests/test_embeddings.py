@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import math
 import struct
 from collections.abc import Iterator
@@ -85,11 +86,22 @@ def test_token_id_inputs(embedding_server: ServerProcess, model: Any, client: op
         ({"input": [1, 99_999_999]}, "input"),
         ({"input": "x", "dimensions": 8}, "dimensions"),
         ({"input": ["x"] * 257}, "input"),
+        ({"input": "abc\ud800def"}, "input"),
+        ({"input": ["ok", "x\udfff"]}, "input[1]"),
+        ({"input": "x", "user": "\udc00"}, "user"),
     ],
-    ids=["empty", "empty-in-list", "too-long", "unknown-token", "dimensions", "too-many"],
-)
+    ids=["empty", "empty-in-list", "too-long", "unknown-token", "dimensions", "too-many", "surrogate",
+         "surrogate-in-list", "surrogate-in-user"],
+)  # fmt: skip
 def test_bad_inputs_are_400s(embedding_server: ServerProcess, body: dict[str, Any], param: str) -> None:
-    response = httpx.post(embedding_server.url + "/v1/embeddings", json=body, timeout=60)
+    # json.dumps writes a lone surrogate as the escape a client's JSON would carry.
+    content = json.dumps(body).encode()
+    response = httpx.post(
+        embedding_server.url + "/v1/embeddings",
+        content=content,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
 

@@ -82,7 +82,7 @@ def prompt(model: ffi.Model) -> list[int]:
 
 
 def schema_job(grammars: GrammarCache, prompt: list[int], schema: dict[str, Any], **kw: Any) -> Job:
-    grammar: Grammar = grammars.compile("json_schema", json.dumps(schema))
+    grammar: Grammar = grammars.build("json_schema", json.dumps(schema))  # (small: any stack holds it)
     return Job(prompt=prompt, sampling=GREEDY, grammar=grammar, **{"max_tokens": 100, **kw})
 
 

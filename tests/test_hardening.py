@@ -1,7 +1,7 @@
 """Attacks and protocol edges, each against a real server process: HTTP/2 on the cleartext port,
 requests that would stall the event loop, the prefix cache as a side channel between tenants,
-control tokens typed into messages, request smuggling, half-closed clients, WebSocket, CORS,
-405 and lingering closes."""
+control tokens typed into messages, request smuggling, text that is not Unicode, WebSocket,
+CORS, 405 and lingering closes (half-closed clients: ``test_disconnects.py``)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import pytest
 
 import ffi
 from server.api.prompt import chat_tokens, text_tokens
-from tests.support import sse
 from tests.support.process import ServerProcess, serving
-from tests.support.rawhttp import closed_by_peer, dechunk, read_head, request_bytes
+from tests.support.rawhttp import closed_by_peer, read_head, request_bytes
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -288,22 +287,6 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(server: Ser
     assert json.loads(payload)["error"]["code"] == "invalid_request"
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_half_closed_client_gets_its_answer(server: ServerProcess, stream: bool) -> None:
-    body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": stream}
-    with connect(server) as sock:
-        sock.sendall(request_bytes("POST", "/v1/chat/completions", body))
-        sock.shutdown(socket.SHUT_WR)  # as `nc -N` does
-        raw = read_all(sock)
-    head, _, rest = raw.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200 "), raw[:300]
-    if stream:
-        parsed = sse.parse(dechunk(rest), kind="chat")
-        assert parsed.text and len(parsed.finish_reasons) == 1
-    else:
-        assert json.loads(rest)["choices"][0]["message"]["content"]
-
-
 def test_websocket_upgrade_is_a_4xx_in_the_openai_shape(server: ServerProcess) -> None:
     upgrade = {
         "Connection": "Upgrade",
@@ -344,7 +327,10 @@ def test_cors_preflight_reflects_requested_headers_and_varies_on_origin(server: 
         server.url + "/v1/models",
         headers={"Origin": ORIGIN, "Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "a b"},
     )
-    assert weird.headers["access-control-allow-headers"] == "Authorization, Content-Type, X-Api-Key"
+    assert (
+        weird.headers["access-control-allow-headers"]
+        == "Authorization, Content-Type, X-Api-Key, Anthropic-Version, Anthropic-Beta"
+    )
 
 
 def test_405_carries_allow(server: ServerProcess) -> None:
@@ -371,6 +357,96 @@ def test_bad_values_have_a_code_and_a_clear_message(
     error = response.json()["error"]
     assert error["code"] == "invalid_value" and error["param"] == param
     assert needle in error["message"]
+
+
+# -- text that is not Unicode -------------------------------------------------------------------
+
+BAD = "abc\ud800def"  # a lone surrogate: JSON's "\ud800" escape without its pair
+CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+TOOL = {"type": "function", "function": {"name": "add", "description": "Adds.", "parameters": {"type": "object"}}}
+HISTORY = [
+    {"role": "user", "content": "Add 1."},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+]
+
+
+def with_tool(**changes: Any) -> dict[str, Any]:
+    function = {**TOOL["function"], **changes}
+    return {"messages": CHAT, "tools": [{**TOOL, "function": function}]}
+
+
+def with_call(arguments: str = '{"a": 1}', **changes: Any) -> dict[str, Any]:
+    call = {**CALL, "function": {**CALL["function"], "arguments": arguments}, **changes}
+    messages = [HISTORY[0], {**HISTORY[1], "tool_calls": [call]}, HISTORY[2]]
+    return {"messages": messages, "tools": [TOOL]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": BAD}]}, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": BAD}]}
+                ]
+            },
+            "messages[0].content[1].text",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": BAD}]}, "messages[0].name"),
+        ("/v1/chat/completions", {"messages": CHAT, "stop": BAD}, "stop"),
+        ("/v1/chat/completions", {"messages": CHAT, "stop": ["ok", BAD]}, "stop[1]"),
+        ("/v1/chat/completions", with_tool(description=BAD), "tools[0].function.description"),
+        (
+            "/v1/chat/completions",
+            with_tool(parameters={"type": "object", "properties": {"a": {"description": BAD}}}),
+            "tools[0].function.parameters.properties.a.description",
+        ),
+        (
+            "/v1/chat/completions",
+            with_call(arguments='{"a": "' + BAD + '"}'),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ("/v1/chat/completions", with_call(id=BAD), "messages[1].tool_calls[0].id"),
+        (
+            "/v1/chat/completions",
+            {"messages": [*HISTORY[:2], {**HISTORY[2], "tool_call_id": BAD}], "tools": [TOOL]},
+            "messages[2].tool_call_id",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": CHAT,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": BAD}}},
+            },
+            "response_format.json_schema.schema.const",
+        ),
+        ("/v1/completions", {"prompt": "hi", "json_schema": {"enum": [BAD]}}, "json_schema.enum[0]"),
+        ("/v1/completions", {"prompt": "hi", "grammar": f'root ::= "{BAD}"'}, "grammar"),
+        ("/v1/completions", {"prompt": BAD}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", BAD]}, "prompt[1]"),
+        ("/v1/completions", {"prompt": "hi", "stop": [BAD]}, "stop[0]"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": BAD}, "cache_salt"),
+        ("/v1/completions", {"prompt": "hi", "user": BAD}, "user"),
+        ("/v1/completions", {"prompt": "hi", "model": BAD}, "model"),
+        ("/v1/completions", {"prompt": "hi", "metadata": {"k": BAD}}, "metadata.k"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1\udfff": 1}}, 'logit_bias["1\\udfff"]'),
+        ("/v1/embeddings", {"input": BAD}, "input"),
+    ],
+)
+def test_lone_surrogates_are_400s_naming_the_field(
+    server: ServerProcess, path: str, body: dict[str, Any], param: str
+) -> None:
+    # json.dumps writes the lone surrogate as the escape a client's JSON would carry.
+    content = json.dumps({"max_tokens": 2, **body} if "input" not in body else body).encode()
+    response = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", param), error
+    assert "surrogate" in error["message"]
+    assert "Traceback" not in server.log
 
 
 def test_413_reaches_a_client_still_sending_its_body(server: ServerProcess) -> None:

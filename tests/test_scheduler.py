@@ -168,6 +168,16 @@ def test_stop_matcher(pieces: list[str], stops: list[str], expected: str, stoppe
     assert feed_all(StopMatcher(stops), pieces) == (expected, stopped)
 
 
+def test_stop_matcher_says_which_stop_string_cut() -> None:
+    m = StopMatcher(["zz", "b", "cd"])
+    assert m.feed("a") == ("a", False) and m.matched is None
+    assert m.feed("xcdyb") == ("x", True) and m.matched == "cd"  # the earliest occurrence
+    assert StopMatcher(["b", "ab"]).feed("ab") == ("", True)
+    m = StopMatcher(["b", "ab"])
+    m.feed("ab")
+    assert m.matched == "ab"
+
+
 def test_stop_matcher_holds_back_only_possible_prefixes() -> None:
     m = StopMatcher(["###"])
     assert m.feed("abc#") == ("abc", False)

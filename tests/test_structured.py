@@ -15,11 +15,14 @@ import openai
 import pydantic
 import pytest
 
+from server.engine import grammar_limits as limits
 from tests.support import sse
+from tests.support.grammars import any_of_chain, gbnf_chain, optional_properties, properties_chain, ref_chain
 from tests.support.process import ServerProcess
 from tests.support.waiting import wait_for
 
 ASK = [{"role": "user", "content": "Describe a fictional person as JSON."}]
+SCHEMA_PARAM = "response_format.json_schema.schema"
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "nested-objects": {
@@ -183,6 +186,30 @@ def test_json_object_completion_and_llama_server_fields(server: ServerProcess) -
     assert answer["text"] in {" yes", " no"} and answer["finish_reason"] == "stop"
     text = chat(server, {"response_format": {"type": "text"}, "max_tokens": 4, "temperature": 0})
     assert text["choices"][0]["message"]["content"]
+
+
+def test_json_object_with_llama_servers_schema_follows_it(server: ServerProcess) -> None:
+    # llama-server's form: the object's own schema beside type json_object (before: ignored).
+    schema = {"type": "object", "properties": {"answer": {"const": "42"}}, "required": ["answer"]}
+    body = {"response_format": {"type": "json_object", "schema": schema}, "max_tokens": 40}
+    jsonschema.validate(json.loads(chat(server, body)["choices"][0]["message"]["content"]), schema)
+    jsonschema.validate(json.loads(stream_chat(server, body).text), schema)
+    # Any schema, as llama-server takes it, not only an object's.
+    answer = chat(server, {"response_format": {"type": "json_object", "schema": {"const": "42"}}})["choices"][0]
+    assert answer["message"]["content"] == '"42"'
+
+
+@pytest.mark.parametrize(
+    ("schema", "param"),
+    [(123, "response_format.schema"), ({"type": 123}, "response_format.schema"), ([], "response_format.schema")],
+    ids=["number", "bad-type", "list"],
+)
+def test_json_object_with_an_invalid_schema_is_a_400(server: ServerProcess, schema: Any, param: str) -> None:
+    body = {"messages": ASK, "response_format": {"type": "json_object", "schema": schema}}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value")
 
 
 def test_max_tokens_first_ends_with_length_and_a_prefix(server: ServerProcess) -> None:
@@ -394,3 +421,64 @@ def test_logprobs_cover_forced_tokens_streamed_and_not(server: ServerProcess) ->
 def chunk_logprobs(chunk: dict[str, Any]) -> list[dict[str, Any]]:
     logprobs = chunk["choices"][0].get("logprobs")
     return (logprobs or {}).get("content") or []
+
+
+# -- bounds: what once crashed the server is a 400, what is just within them works -----------------
+
+TOOL = {"type": "function", "function": {"name": "ok", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _tools(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"tools": [TOOL, {"type": "function", "function": {"name": "deep", "parameters": parameters}}]}
+
+
+# The issue's sizes, each of which took the whole process down in llguidance's compiler.
+CRASHED = {
+    "gbnf-4000-rules": ({"grammar": gbnf_chain(4002)}, "grammar", "rules"),
+    "ref-3000": ({"response_format": response_format(ref_chain(3000))}, SCHEMA_PARAM, "levels deep"),
+    "properties-1000": ({"response_format": response_format(properties_chain(1000))}, SCHEMA_PARAM, "levels deep"),
+    "anyOf-2000": ({"response_format": response_format(any_of_chain(2000))}, SCHEMA_PARAM, "levels deep"),
+    "json_schema-ref-3000": ({"json_schema": ref_chain(3000)}, "json_schema", "levels deep"),
+    "tools-anyOf-2000": (_tools(any_of_chain(2000)), "tools[1].function.parameters", "levels deep"),
+    "tools-properties-1000": (_tools(properties_chain(1000)), "tools[1].function.parameters", "levels deep"),
+    # With an $id, the chain's references resolve inside the tools' answer schema too.
+    "tools-$id-ref-3000": (_tools({"$id": "urn:deep", **ref_chain(3000)}), "tools[1].function.parameters", "deep"),
+    "optional-8000": ({"response_format": response_format(optional_properties(8000))}, SCHEMA_PARAM, "properties"),
+}
+
+
+@pytest.mark.parametrize("name", list(CRASHED))
+def test_what_crashed_the_server_is_a_400_naming_the_field(server: ServerProcess, name: str) -> None:
+    body, param, needle = CRASHED[name]
+    assert len(json.dumps(body)) < 256 * 1024
+    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, "invalid_value")
+    assert needle in error["message"] and "more than" in error["message"], error
+    # The server is still there, and answers the next request.
+    assert chat(server, {"max_tokens": 2})["choices"][0]["finish_reason"] == "length"
+
+
+def test_grammars_just_within_the_bounds_work_and_just_past_are_refused(server: ServerProcess) -> None:
+    depth = limits.MAX_SCHEMA_DEPTH
+    within: list[dict[str, Any]] = [
+        {"response_format": response_format(ref_chain(depth - 2))},
+        {"response_format": response_format(properties_chain(depth // 2 - 1))},
+        {"response_format": response_format(any_of_chain(depth // 2 - 1))},
+    ]
+    for body in within:
+        answer = chat(server, {**body, "max_tokens": 6, "temperature": 0})["choices"][0]
+        assert answer["finish_reason"] in {"stop", "length", "tool_calls"}
+    rules = chat(server, {"grammar": gbnf_chain(limits.MAX_GRAMMAR_RULES), "max_tokens": 6})["choices"][0]
+    assert (rules["message"]["content"], rules["finish_reason"]) == ("x", "stop")
+    past = [
+        ({"response_format": response_format(ref_chain(depth - 1))}, SCHEMA_PARAM),
+        ({"response_format": response_format(properties_chain(depth // 2))}, SCHEMA_PARAM),
+        ({"grammar": gbnf_chain(limits.MAX_GRAMMAR_RULES + 1)}, "grammar"),
+        (_tools({"$id": "urn:past", **properties_chain(depth // 2 - 3)}), "tools"),  # 2 past, with the 5
+        (_tools({"$id": "urn:past", **properties_chain(depth // 2)}), "tools[1].function.parameters"),
+    ]
+    for body, param in past:
+        response = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=120)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

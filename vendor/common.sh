@@ -22,6 +22,9 @@ BASE_CMAKE_ARGS=(
   -DLLAMA_BUILD_UI=OFF
   -DLLAMA_OPENSSL=OFF
   -DLLAMA_ALL_WARNINGS=OFF
+  # llama.cpp's RPC backend (--rpc) and its ggml-rpc-server; plain TCP only (no RDMA library).
+  -DGGML_RPC=ON
+  -DGGML_RPC_RDMA=OFF
 )
 
 build_key() {

@@ -1,12 +1,15 @@
-"""The HTTP API: OpenAI-compatible routes over the engine, as a Quart-Trio app.
+"""The HTTP API as a Quart-Trio app: every API family's routes over the one request path.
 
-- ``app``: ``create_app``, routes, middleware, error handlers;
-- ``completions``: the completion endpoints' handler and the non-streamed answer;
-- ``streaming``: the SSE body and its fast path (the one module that reaches under Quart and
-  Hypercorn, and the only one that imports ``server.net``);
-- ``prepare``: request body to ``Job``; ``prompt``: prompt text to tokens (control tokens only
-  from the template);
-- ``schema``: the wire schema (pydantic); ``sse``: pure SSE framing; ``errors``: ``ApiError``;
-- ``trace``: one request's timing and access-log line; ``metrics``: the Prometheus registry;
-- ``webui``: the chat page at ``/`` (its files live in ``server/webui/``).
+- ``app``: ``create_app`` composes ``middleware`` (keys, CORS, limits, error handlers), one
+  blueprint per API family (``openai``; ``ops`` for ``/health`` and ``/metrics``) and ``webui``;
+- ``preflight``: the checks every route makes first; ``prepare``: the internal request to a
+  ``Job`` (the one request path); ``prompt``: prompt text to tokens (control tokens only from
+  the template); ``constraints`` and ``tools``: what the output must follow;
+- ``collect``: a whole answer; ``streaming``: the one SSE body loop, over a ``StreamDialect``
+  (``openai_stream`` for OpenAI's chunks);
+- ``schema``: the wire schema (pydantic); ``sse``: pure SSE framing; ``errors``: ``ApiError``
+  and the one engine-error mapping; ``respond``: the app's state and JSON answers;
+- ``trace``: one request's timing and access-log line; ``webui``: the chat page at ``/``.
+
+The api reaches the transport only through ``server.net.transport``.
 """

@@ -1,213 +1,56 @@
-"""``create_app``: the OpenAI-compatible HTTP API as a Quart-Trio app: its routes, its
-middleware (header limit, API keys, CORS, request metrics) and its error handlers, and the
-chat page (``webui``) unless ``--no-webui``. No globals.
-
-The completion routes go to ``completions.complete``: ``prepare`` validates the body and makes
-a ``Job``; the answer holds its sequence inside ``async with engine.submit(job)``, and
-Quart-Trio cancels the handler when the client disconnects, which leaves that block and
-releases the sequence.
+"""``create_app``: the HTTP API as a Quart-Trio app, composed of its parts: the middleware and
+error handlers (``middleware``), one blueprint per API family (``openai``; the operators'
+``ops``), and the chat page (``webui``) unless ``--no-webui``. No globals: the app's
+``ServerState`` is in its extensions (``respond.current_state``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
-import logging
-import re
-
-from quart import Response, g, has_request_context, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
 
-from server.api import schema
-from server.api.completions import complete, json_response
-from server.api.embeddings import embed
-from server.api.errors import ApiError
+from server.api import middleware
+from server.api.anthropic import anthropic
+from server.api.openai import openai
+from server.api.ops import PUBLIC, ops
+from server.api.respond import STATE_KEY
+from server.api.responses import responses
 from server.api.webui import add_webui
-from server.metrics import CONTENT_TYPE
 from server.settings import Settings, settings_from_env
 from server.state import ServerState
 
-logger = logging.getLogger("llama_trio.access")
-
-# CORS: what a preflight allows when it names no headers, and the shape of a header list we
-# reflect (header names as RFC 9110 tokens, comma-separated; anything else gets the default).
-CORS_DEFAULT_HEADERS = "Authorization, Content-Type, X-Api-Key"
-CORS_METHODS = "GET, POST, OPTIONS"
-CORS_MAX_AGE = "600"
-_HEADER_LIST = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+(?:[ \t]*,[ \t]*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")
-MAX_CORS_HEADER_LIST = 2048
-
 
 def create_app(settings: Settings | None = None, *, state: ServerState | None = None) -> QuartTrio:
-    """The app. With ``state``, the caller (``server.serve.lifecycle``) runs the engine; without, the
-    app loads the model and runs the engine in its own lifespan (the hypercorn CLI launch)."""
+    """The app. With ``state``, the caller (``server.serve.lifecycle``) runs the engine; without,
+    the app loads the model and runs the engine in its own lifespan (the hypercorn CLI launch)."""
     owns_engine = state is None
     if state is None:
         state = ServerState(settings or settings_from_env())
-    settings = state.settings
     app = QuartTrio(__name__)
     app.config.update(
         RESPONSE_TIMEOUT=None,  # streams have no hidden time limit
-        BODY_TIMEOUT=settings.read_timeout,
-        MAX_CONTENT_LENGTH=settings.max_body,
+        BODY_TIMEOUT=state.settings.read_timeout,
+        MAX_CONTENT_LENGTH=state.settings.max_body,
     )
-    app.extensions["llama_trio"] = state
-    api_keys = settings.api_keys()
-    cors = set(settings.cors_origin)
-    public = frozenset(["/health"]) | (frozenset() if settings.no_webui else add_webui(app))
-
+    app.extensions[STATE_KEY] = state
+    public = PUBLIC | (frozenset() if state.settings.no_webui else add_webui(app))
+    middleware.install(app, state, public)
+    app.register_blueprint(ops)
+    app.register_blueprint(openai)
+    app.register_blueprint(responses)
+    app.register_blueprint(anthropic)
     if owns_engine:
-
-        @app.before_serving
-        async def start_engine() -> None:
-            await app.nursery.start(state.run_engine)
-
-        @app.after_serving
-        async def stop_engine() -> None:
-            # Hypercorn has closed its connections by now (see docs/lifecycle.md).
-            state.draining = True
-            state.stop_engine()
-
-    @app.before_request
-    async def limit_head() -> Response | None:
-        # h11 bounds only a head that arrives in pieces; one that comes in a single read is
-        # parsed whole, so the limit is checked here too.
-        scope = request.scope
-        size = len(scope.get("raw_path", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
-        if size > settings.max_header_size:
-            message = f"request headers are larger than {settings.max_header_size} bytes"
-            return ApiError(431, message, code="request_header_too_large", headers={"Connection": "close"}).response()
-        return None
-
-    @app.before_request
-    async def refuse_ambiguous_length() -> Response | None:
-        # RFC 9112 6.1: a message with both may be an attempt at request smuggling; it is
-        # answered and the connection closed, so nothing sent after it is read as a request.
-        headers = request.headers
-        if "Content-Length" in headers and "Transfer-Encoding" in headers:
-            message = "a request may not have both Content-Length and Transfer-Encoding"
-            return ApiError(400, message, code="invalid_request", headers={"Connection": "close"}).response()
-        return None
-
-    @app.before_websocket
-    async def refuse_websocket() -> Response:
-        message = 'WebSocket is not served; stream a completion with POST and "stream": true (Server-Sent Events)'
-        return ApiError(400, message, code="unsupported_protocol").response()
-
-    @app.before_request
-    async def authenticate() -> Response | None:
-        if not api_keys or request.path in public or request.method == "OPTIONS":
-            return None
-        header = request.headers.get("Authorization", "")
-        given = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
-        given_bytes = given.encode()
-        ok = False
-        for key in api_keys:  # constant time per key; every key is checked
-            ok |= hmac.compare_digest(given_bytes, key.encode())
-        if not ok:
-            message = "invalid API key" if given else "missing API key (Authorization: Bearer <key>)"
-            return ApiError(401, message, type_="authentication_error", code="invalid_api_key").response()
-        # Each key is its own tenant for the prefix cache (prepare.cache_scope).
-        g.tenant = hashlib.sha256(given_bytes).hexdigest()
-        return None
-
-    @app.after_request
-    async def finish(response: Response) -> Response:
-        if cors:
-            # Caches must key on the origin whenever the answer can depend on it.
-            response.vary.add("Origin")
-            origin = request.headers.get("Origin")
-            if origin and ("*" in cors or origin in cors):
-                response.headers["Access-Control-Allow-Origin"] = "*" if "*" in cors else origin
-                requested = request.headers.get("Access-Control-Request-Headers", "").strip()
-                if requested and len(requested) <= MAX_CORS_HEADER_LIST and _HEADER_LIST.fullmatch(requested):
-                    # The official SDKs send their own headers (x-stainless-*) from a browser.
-                    response.headers["Access-Control-Allow-Headers"] = requested
-                    response.vary.add("Access-Control-Request-Headers")
-                else:
-                    response.headers["Access-Control-Allow-Headers"] = CORS_DEFAULT_HEADERS
-                response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
-                if request.method == "OPTIONS":
-                    response.headers["Access-Control-Max-Age"] = CORS_MAX_AGE
-        rule = request.url_rule.rule if request.url_rule else "unmatched"
-        state.metrics.requests.labels(rule, str(response.status_code)).inc()
-        return response
-
-    @app.errorhandler(ApiError)
-    async def api_error(exc: ApiError) -> Response:
-        return exc.response()
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        status = exc.code or 500
-        codes = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
-        method, path = _method_and_path()
-        message = {
-            404: f"no route for {path}",
-            405: f"{method} is not allowed on {path}",
-            413: f"request body is larger than {settings.max_body} bytes",
-        }.get(status, exc.description or exc.name)
-        type_ = "invalid_request_error" if status < 500 else "server_error"
-        headers = {}
-        if status in {408, 413}:  # the body was not read (whole): no other request can follow
-            headers["Connection"] = "close"
-        allow = dict(exc.get_headers()).get("Allow")
-        if allow:  # 405: RFC 9110 15.5.6
-            headers["Allow"] = allow
-        return ApiError(status, message, type_=type_, code=codes.get(status), headers=headers).response()
-
-    @app.errorhandler(Exception)
-    async def unexpected(exc: Exception) -> Response:
-        method, path = _method_and_path()
-        logger.exception("unhandled error on %s %s", method, path)
-        return ApiError(500, "internal server error", type_="server_error", code="internal_error").response()
-
-    @app.get("/health")
-    async def health() -> Response:
-        if state.draining:
-            status, code = "draining", 503
-        elif state.load_failed is not None:
-            status, code = "model_load_failed", 503
-        elif state.engine is None:
-            status, code = "loading", 503
-        else:
-            status, code = "ok", 200
-        return Response(json.dumps({"status": status}), status=code, content_type="application/json")
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), content_type=CONTENT_TYPE)
-
-    # Each API route also answers without /v1, for clients whose base URL lacks it.
-    @app.get("/v1/models")
-    @app.get("/models")
-    async def models() -> Response:
-        meta = schema.ModelMeta(name=state.model_name) if state.model_name is not None else None
-        card = schema.ModelCard(id=state.model_id, created=state.created, meta=meta)
-        return json_response(schema.ModelList(data=[card]).model_dump(exclude_none=True))
-
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions")
-    async def chat_completions() -> Response:
-        return await complete(state, chat=True)
-
-    @app.post("/v1/completions")
-    @app.post("/completions")
-    async def completions() -> Response:
-        return await complete(state, chat=False)
-
-    @app.post("/v1/embeddings")
-    @app.post("/embeddings")
-    async def embeddings() -> Response:
-        return await embed(state)
-
+        _run_models_in_lifespan(app, state)
     return app
 
 
-def _method_and_path() -> tuple[str, str]:
-    """The current request's method and path, for messages; also outside a request context."""
-    if has_request_context():
-        return request.method, request.path
-    return "?", "?"
+def _run_models_in_lifespan(app: QuartTrio, state: ServerState) -> None:
+    @app.before_serving
+    async def start_models() -> None:
+        await app.nursery.start(state.run_store)
+        await app.nursery.start(state.run_models)
+
+    @app.after_serving
+    async def stop_models() -> None:
+        # Hypercorn has closed its connections by now (see docs/lifecycle.md).
+        state.draining = True
+        state.stop_models()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
@@ -11,17 +10,15 @@ from typing import Any
 from quart import Response, request
 
 from server.api import logprobs, schema, sse
+from server.api.collect import Collected, collect
 from server.api.errors import ApiError
-from server.api.prepare import prepare
+from server.api.openai_stream import OpenAIStream
+from server.api.prepare import Prepared, prepare
+from server.api.respond import json_response
 from server.api.streaming import streamed_response
 from server.api.tools import call_id, read_answer
 from server.api.trace import Trace, merged_usage, usage_payload
-from server.engine import EngineError, Piece, TokenLogprob, Usage
 from server.state import ServerState
-
-
-def json_response(payload: Any, status: int = 200) -> Response:
-    return Response(json.dumps(payload, ensure_ascii=False), status=status, content_type="application/json")
 
 
 async def complete(state: ServerState, *, chat: bool) -> Response:
@@ -39,91 +36,49 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
         raise
     id_ = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     created = int(time.time())
-    engine = state.engine
-    assert engine is not None
+    model = prepared.model
     if prepared.stream:
-        framer = sse.ChunkFramer(
-            chat=chat, id_=id_, created=created, model=state.model_id, fingerprint=state.fingerprint
-        )
-        return streamed_response(engine, prepared, framer, trace, state.settings.ping_interval)
-    n = prepared.job.n
-    choices = [_Choice(prepared.echo[i // n] if prepared.echo else "") for i in range(prepared.job.n_choices)]
-    try:
-        async with engine.submit(prepared.job) as pieces:
-            async for piece in pieces:
-                trace.piece(piece)
-                choices[piece.index].add(piece)
-    except EngineError as exc:
-        trace.status, trace.ending = exc.status, exc.code
-        trace.log()
-        raise ApiError.from_engine(exc, param=prepared.prompt_param) from None
-    except BaseException:
-        trace.log()  # cancelled: the client went away
-        raise
-    trace.log()
-    usage_info = schema.UsageInfo.model_validate(usage_payload(merged_usage([c.usage for c in choices if c.usage])))
-    token_bytes = engine.vocab.piece
-    payload: dict[str, Any]
+        framer = sse.ChunkFramer(chat=chat, id_=id_, created=created, model=model.id, fingerprint=model.fingerprint)
+        return streamed_response(prepared, OpenAIStream(prepared, framer), trace, state.settings.ping_interval)
+    choices = await collect(prepared, trace)
+    usage = schema.UsageInfo.model_validate(usage_payload(merged_usage([c.usage for c in choices if c.usage])))
+    head: dict[str, Any] = {"id": id_, "created": created, "model": model.id, "system_fingerprint": model.fingerprint}
+    vocab = prepared.engine.vocab
     if chat:
-        chat_choices = []
-        for index, choice in enumerate(choices):
-            message, finish = _assistant_message(choice.text, choice.finish, tools=prepared.tools)
-            chat_logprobs = None
-            if prepared.logprobs:
-                content = logprobs.chat_content([t for items, _ in choice.logprobs for t in items], token_bytes)
-                chat_logprobs = {"content": content, "refusal": None}
-            chat_choices.append(
-                schema.ChatChoice(index=index, message=message, finish_reason=finish, logprobs=chat_logprobs)
-            )
-        payload = schema.ChatCompletion(
-            id=id_,
-            created=created,
-            model=state.model_id,
-            system_fingerprint=state.fingerprint,
-            choices=chat_choices,
-            usage=usage_info,
-        ).model_dump()
-        for entry, choice_ in zip(payload["choices"], chat_choices, strict=True):
-            if choice_.message.tool_calls is None:
-                del entry["message"]["tool_calls"]
-    else:
-        payload = schema.Completion(
-            id=id_,
-            created=created,
-            model=state.model_id,
-            system_fingerprint=state.fingerprint,
-            choices=[
-                schema.CompletionChoice(
-                    index=index,
-                    text=choice.text,
-                    finish_reason=choice.finish,
-                    logprobs=logprobs.completion_whole(choice.logprobs, token_bytes) if prepared.logprobs else None,
-                )
-                for index, choice in enumerate(choices)
-            ],
-            usage=usage_info,
-        ).model_dump()
-    return json_response(payload)
+        return json_response(_chat_completion(head, choices, usage, prepared, vocab))
+    completion_choices = [
+        schema.CompletionChoice(
+            index=index,
+            text=choice.text,
+            finish_reason=choice.finish,
+            logprobs=logprobs.completion_whole(choice.logprobs, vocab) if prepared.logprobs else None,
+        )
+        for index, choice in enumerate(choices)
+    ]
+    return json_response(schema.Completion(**head, choices=completion_choices, usage=usage).model_dump())
 
 
-class _Choice:
-    """One choice of a whole answer, as its pieces come."""
-
-    def __init__(self, echo: str = "") -> None:
-        self.texts: list[str] = [echo] if echo else []
-        self.logprobs: list[tuple[tuple[TokenLogprob, ...], str]] = []
-        self.finish = "cancelled"
-        self.usage: Usage | None = None
-
-    def add(self, piece: Piece) -> None:
-        self.texts.append(piece.text)
-        self.logprobs.append((piece.logprobs, piece.text))
-        if piece.finish_reason:
-            self.finish, self.usage = piece.finish_reason, piece.usage
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
+def _chat_completion(
+    head: dict[str, Any],
+    choices: list[Collected],
+    usage: schema.UsageInfo,
+    prepared: Prepared,
+    vocab: logprobs.Vocabulary,
+) -> dict[str, Any]:
+    chat_choices = []
+    for index, choice in enumerate(choices):
+        message, finish = _assistant_message(choice.text, choice.finish, tools=prepared.tools)
+        chat_logprobs = None
+        if prepared.logprobs:
+            content = logprobs.chat_content(choice.logprobs, vocab)
+            chat_logprobs = {"content": content, "refusal": None}
+        choice_out = schema.ChatChoice(index=index, message=message, finish_reason=finish, logprobs=chat_logprobs)
+        chat_choices.append(choice_out)
+    payload = schema.ChatCompletion(**head, choices=chat_choices, usage=usage).model_dump()
+    for entry, chat_choice in zip(payload["choices"], chat_choices, strict=True):
+        if chat_choice.message.tool_calls is None:
+            del entry["message"]["tool_calls"]
+    return payload
 
 
 def _assistant_message(text: str, finish: str, *, tools: str | None) -> tuple[schema.AssistantMessage, str]:

@@ -17,8 +17,10 @@ import trio
 from server.api import schema, tools
 from server.api.errors import ApiError
 from server.api.json_bounds import JSON_OBJECT, closed_objects
+from server.engine import EngineError
 from server.engine.grammar import Grammar, GrammarError, GrammarKind
-from server.state import ServerState
+from server.engine.grammar_limits import TooComplex, check_schema_text
+from server.models.runtime import ModelRuntime
 
 # A function without parameters takes an empty object.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -75,10 +77,15 @@ def _specs(req: schema.ChatCompletionRequest) -> list[tools.ToolSpec]:
     ]
 
 
-async def output_grammar(state: ServerState, req: schema.CommonFields, use: ToolUse | None) -> Grammar | None:
-    """The grammar the output must follow, compiled (or from the cache), or None.
+async def output_grammar(
+    model: ModelRuntime, req: schema.CommonFields, use: ToolUse | None, scope: str
+) -> Grammar | None:
+    """The grammar the output must follow, compiled (or from the cache of ``scope``: the
+    request's tenant and salt, ``prepare.cache_scope``), or None. A grammar past a bound of
+    ``grammar_limits`` or that llguidance refuses is a 400 naming the field; a full queue or a
+    drain, a 503.
 
-    *Cancellation*: a compile in progress is waited for, never abandoned.
+    *Cancellation*: leaves the compile queue; a compile already running finishes without us.
     """
     spec = _grammar_spec(req, use)
     if spec is None:
@@ -87,23 +94,46 @@ async def output_grammar(state: ServerState, req: schema.CommonFields, use: Tool
     if len(source) > schema.MAX_GRAMMAR_CHARS:
         message = f"the grammar is larger than {schema.MAX_GRAMMAR_CHARS} characters"
         raise ApiError(400, message, param=param, code="invalid_value")
-    grammars = await state.grammars()
+    compiler = await model.grammars()
     try:
-        return await trio.to_thread.run_sync(grammars.compile, kind, source)
+        return await compiler.compile(kind, source, scope)
+    except EngineError as exc:
+        raise ApiError.from_engine(exc, param=param) from None
     except GrammarError as exc:
+        message = str(exc)
         if isinstance(req, schema.ChatCompletionRequest) and param == "tools":
-            param = await _bad_tool(state, req) or param
-        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+            param, message = await _bad_tool(model, req, scope) or (param, message)
+        raise ApiError(400, f"{param}: {message}", param=param, code="invalid_value") from None
 
 
-async def _bad_tool(state: ServerState, req: schema.ChatCompletionRequest) -> str | None:
-    """The first tool whose parameters do not compile on their own, as a param path."""
-    grammars = await state.grammars()
-    for i, tool in enumerate(req.tools or ()):
+async def _bad_tool(model: ModelRuntime, req: schema.ChatCompletionRequest, scope: str) -> tuple[str, str] | None:
+    """The first tool whose parameters are past a bound or do not compile on their own: its
+    param path and what is wrong. The bounds are checked first, for every tool, in a worker
+    thread; then each tool's parameters are compiled in turn, through the compile queue.
+
+    *Cancellation*: as ``output_grammar``.
+    """
+    sources = [_compact(tool.function.parameters or {}) for tool in req.tools or ()]
+
+    def first_too_complex() -> tuple[int, str] | None:
+        for i, source in enumerate(sources):
+            try:
+                check_schema_text(source)
+            except TooComplex as exc:
+                return i, str(exc)
+        return None
+
+    too_complex = await trio.to_thread.run_sync(first_too_complex)
+    if too_complex is not None:
+        return f"tools[{too_complex[0]}].function.parameters", too_complex[1]
+    compiler = await model.grammars()
+    for i, source in enumerate(sources):
         try:
-            await trio.to_thread.run_sync(grammars.compile, "json_schema", _compact(tool.function.parameters or {}))
-        except GrammarError:
-            return f"tools[{i}].function.parameters"
+            await compiler.compile("json_schema", source, scope)
+        except GrammarError as exc:
+            return f"tools[{i}].function.parameters", str(exc)
+        except EngineError:
+            return None
     return None
 
 
@@ -112,7 +142,11 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
     specs: list[tuple[GrammarKind, str, str]] = []
     form = req.response_format
     if form is not None and form.type == "json_object":
-        specs.append(("json_schema", _compact(JSON_OBJECT), "response_format"))
+        if form.object_schema is not None:  # llama-server's form: the object's own schema
+            closed = closed_objects(form.object_schema)
+            specs.append(("json_schema", _compact(closed), "response_format.schema"))
+        else:
+            specs.append(("json_schema", _compact(JSON_OBJECT), "response_format"))
     elif form is not None and form.type == "json_schema":
         if form.json_schema is None or form.json_schema.json_schema is None:
             param = "response_format.json_schema" + (".schema" if form.json_schema is not None else "")

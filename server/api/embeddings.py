@@ -7,32 +7,37 @@ import base64
 import struct
 from typing import cast
 
-import trio
 from quart import Response
 
 from server.api import schema
-from server.api.completions import json_response
 from server.api.errors import ApiError
-from server.api.prepare import INLINE_WORK_CHARS, read_json
+from server.api.preflight import model_lease, off_loop, read_json, refuse_unsupported, resolve, tokenizing
+from server.api.respond import json_response
+from server.engine import EngineError
+from server.models.registry import Lease
 from server.state import ServerState
 
 
 async def embed(state: ServerState) -> Response:
     """Answer the current ``/v1/embeddings`` request.
 
-    *Cancellation*: the embedder stops between decodes; tokenizing in a worker thread is
-    waited for.
+    *Cancellation*: the embedder stops between decodes (the client went away; the drain ends
+    it with a 503); tokenizing in a worker thread is waited for.
     """
     req: schema.EmbeddingRequest = await read_json(schema.EmbeddingRequest)
-    refused = req.unsupported()
-    if refused is not None:
-        name = refused[:64]
-        raise ApiError(400, f"{name!r} is not supported by this server", param=name, code="unsupported_parameter")
-    embedder, engine = state.embedder, state.engine
-    if embedder is None or engine is None:
-        if state.settings.embeddings:
-            raise ApiError(503, "the model is still loading", type_="server_error", code="model_loading")
+    refuse_unsupported(req)
+    if not resolve(state, req.model).settings.embeddings:
         raise ApiError(404, "embeddings are off on this server (start it with --embeddings)", code="not_found")
+    lease = await model_lease(state, req.model)
+    try:
+        return await _embed(req, lease)
+    finally:
+        lease.release()
+
+
+async def _embed(req: schema.EmbeddingRequest, lease: Lease) -> Response:
+    engine, info, embedder = lease.engine, lease.info, lease.runtime.embedder
+    assert embedder is not None  # made with the engine when --embeddings
     vocab = engine.vocab
     raw = req.input
     texts: list[str] | None = None
@@ -50,8 +55,9 @@ async def embed(state: ServerState) -> Response:
         return [vocab.tokenize(text, add_special=True, parse_special=False) for text in texts]
 
     if texts is not None:
-        work = sum(len(t) for t in texts)
-        inputs = await trio.to_thread.run_sync(tokenize, texts) if work > INLINE_WORK_CHARS else tokenize(texts)
+        strings = texts
+        with tokenizing("input"):
+            inputs = await off_loop(sum(len(t) for t in strings), lambda: tokenize(strings))
     else:
         inputs = [list(tokens) for tokens in ids]
     for i, tokens in enumerate(inputs):
@@ -64,14 +70,17 @@ async def embed(state: ServerState) -> Response:
             raise ApiError(400, message, param=where, code="invalid_value")
         if max(tokens) >= vocab.n_tokens:
             raise ApiError(400, "a token id is not in the vocabulary", param=where, code="invalid_value")
-    vectors = await embedder.embed(inputs)
+    try:
+        vectors = await embedder.embed(inputs)
+    except EngineError as exc:  # the drain: before its turn, or at its deadline
+        raise ApiError.from_engine(exc) from None
     as_base64 = req.encoding_format == "base64"
     data = [
         {"object": "embedding", "index": i, "embedding": _base64(v) if as_base64 else v} for i, v in enumerate(vectors)
     ]
     tokens_used = sum(len(t) for t in inputs)
     usage = {"prompt_tokens": tokens_used, "total_tokens": tokens_used}
-    return json_response({"object": "list", "data": data, "model": state.model_id, "usage": usage})
+    return json_response({"object": "list", "data": data, "model": info.id, "usage": usage})
 
 
 def _base64(vector: list[float]) -> str:

@@ -1,9 +1,13 @@
-"""``ApiError``: an error answered in OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``, and the mapping from engine errors and pydantic locations to it."""
+"""``ApiError``: an error a route answers, and the one mapping from engine errors
+(``from_engine``) and pydantic locations (``param_from_loc``) to it. Every route and every
+stream uses these; a dialect renders an ``ApiError`` in its own shape (OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` is ``body``)."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 
 from quart import Response
 
@@ -31,9 +35,38 @@ class ApiError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def body(self) -> dict[str, dict[str, str | None]]:
+        """The error in OpenAI's shape."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> Response:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return Response(json.dumps(body), status=self.status, headers=self.headers, content_type="application/json")
+        return Response(
+            json.dumps(self.body()), status=self.status, headers=self.headers, content_type="application/json"
+        )
+
+    def renamed(self, names: Sequence[tuple[str, str]]) -> ApiError:
+        """This error with its ``param`` (and a message that starts with it) in another
+        dialect's terms: ``names`` are (pattern, replacement) pairs, regular expressions that
+        match a whole leading part of ``param`` (up to a ``.``, a ``[`` or its end); the first
+        that matches is applied. As it is when none does."""
+        param = self.param
+        if param is None:
+            return self
+        for pattern, own in names:
+            match = re.match(f"(?:{pattern})(?=$|[.\\[])", param)
+            if match is None:
+                continue
+            renamed = match.expand(own) + param[match.end() :]
+            message = renamed + self.message[len(param) :] if self.message.startswith(param) else self.message
+            error = ApiError(self.status, message, type_=self.type, param=renamed, code=self.code)
+            error.headers = self.headers
+            return error
+        return self
+
+    @classmethod
+    def unavailable(cls, message: str, *, code: str) -> ApiError:
+        """A 503 that a client (or a proxy) may retry after a moment."""
+        return cls(503, message, type_="server_error", code=code, headers={"Retry-After": "1"})
 
     @classmethod
     def from_engine(cls, exc: EngineError, *, param: str | None = None) -> ApiError:
@@ -49,8 +82,9 @@ class ApiError(Exception):
             return cls(400, message, param=param, code=exc.code)
         if exc.status == 400:
             return cls(400, str(exc), param=param, code=exc.code)
-        headers = {"Retry-After": "1"} if exc.status == 503 else None
-        return cls(exc.status, str(exc), type_="server_error", code=exc.code, headers=headers)
+        if exc.status == 503:
+            return cls.unavailable(str(exc), code=exc.code)
+        return cls(exc.status, str(exc), type_="server_error", code=exc.code)
 
 
 # pydantic names the branch of a union it tried ("str", "list[str]", "function-after[...]") in

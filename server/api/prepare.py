@@ -5,34 +5,24 @@ sequence is taken.
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
-
-import pydantic
-import trio
-from quart import g, request
 
 import ffi
 from server.api import schema, tools
 from server.api.constraints import ToolUse, output_grammar, tool_use
-from server.api.errors import ApiError, param_from_loc
+from server.api.errors import ApiError
+from server.api.preflight import CHARS_PER_MESSAGE, model_lease, off_loop, read_json, refuse_unsupported, tokenizing
 from server.api.prompt import chat_tokens, text_tokens
-from server.engine import Job, ShuttingDown
-from server.state import ServerState
+from server.api.respond import tenant
+from server.engine import Engine, Job
+from server.models.registry import Lease
+from server.state import ModelInfo, ServerState
 
 logger = logging.getLogger("llama_trio.api")
 
-# Preparing a request runs in a worker thread when its work is larger than this, counted in
-# characters of text to tokenize (about 0.25 us each here, so about half a millisecond) plus
-# ``CHARS_PER_MESSAGE`` per message for the template's rendering and its own text; smaller
-# requests are prepared inline, which saves the thread hand-off's latency.
-INLINE_WORK_CHARS = 2_048
-CHARS_PER_MESSAGE = 32
-# Bodies larger than this are parsed and validated in a worker thread (json.loads and pydantic
-# take about 1 ms per 40 KB here).
-INLINE_BODY_BYTES = 32 * 1024
 # Defaults where a request says nothing. temperature/top_p follow OpenAI; top_k and min_p cut
 # the long tail as llama.cpp's own defaults do.
 DEFAULT_TEMPERATURE = 1.0
@@ -45,6 +35,9 @@ class Prepared:
     """A validated request, ready for the engine."""
 
     job: Job
+    lease: Lease  # its hold on the model, released when its answer ends
+    engine: Engine  # the engine it was prepared for
+    model: ModelInfo  # the model it was prepared for
     stream: bool
     include_usage: bool
     chat: bool
@@ -58,35 +51,6 @@ class Prepared:
     def prompt_param(self) -> str:
         """The request field a problem with the prompt is about."""
         return "messages" if self.chat else "prompt"
-
-
-async def read_json(model: type[pydantic.BaseModel]) -> Any:
-    """The request body validated as ``model``; a 400 naming the first bad field otherwise.
-    A large body is parsed in a worker thread.
-
-    *Cancellation*: a parse running in a worker thread is waited for, never abandoned.
-    """
-    raw = await request.get_data(as_text=False)
-    if len(raw) > INLINE_BODY_BYTES:
-        return await trio.to_thread.run_sync(_parse, model, raw)
-    return _parse(model, raw)
-
-
-def _parse(model: type[pydantic.BaseModel], raw: str | bytes) -> Any:
-    try:
-        payload = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(payload, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(payload)
-    except pydantic.ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        param = param_from_loc(tuple(first["loc"]))
-        raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param, code="invalid_value") from None
-    except RecursionError:
-        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
 
 
 def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParams:
@@ -104,7 +68,7 @@ def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParam
         top_k=DEFAULT_TOP_K if req.top_k is None else min(req.top_k, n_vocab),
         top_p=1.0 if req.top_p is None else req.top_p,
         min_p=DEFAULT_MIN_P if req.min_p is None else req.min_p,
-        seed=None if req.seed is None else req.seed & 0xFFFFFFFF,
+        seed=req.seed,
         repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
@@ -115,82 +79,70 @@ def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParam
 def cache_scope(salt: str | None) -> str:
     """The prefix-cache scope of the current request: its API key's tenant (when keys are
     configured) and its ``cache_salt``. Requests share cached prefixes only within a scope."""
-    return f"{g.get('tenant', '')}:{salt or ''}"
+    return f"{tenant()}:{salt or ''}"
 
 
 async def prepare(state: ServerState, *, chat: bool) -> Prepared:
-    """The current request as a job for ``state``'s engine.
+    """The current OpenAI chat (``chat``) or completion request, read from the body, as a job
+    for ``state``'s engine (``prepare_request``).
 
-    *Cancellation*: safe at any point; a render or tokenization running in a worker thread
-    (it holds the vocabulary) is waited for, never abandoned.
+    *Cancellation*: as ``prepare_request``.
     """
     req: schema.ChatCompletionRequest | schema.CompletionRequest
     if chat:
         req = await read_json(schema.ChatCompletionRequest)
     else:
         req = await read_json(schema.CompletionRequest)
-    refused = req.unsupported()
-    if refused is not None:
-        name = refused[:64]
-        message = f"{name!r} is not supported by this server"
-        raise ApiError(400, message, param=name, code="unsupported_parameter")
-    engine = state.engine
-    if state.draining:
-        raise ApiError.from_engine(ShuttingDown("server is shutting down"))
-    if engine is None or state.template is None:
-        raise ApiError(
-            503, "the model is still loading", type_="server_error", code="model_loading", headers={"Retry-After": "1"}
-        )
-    vocab = engine.vocab
-    param = "messages" if chat else "prompt"
-    use: ToolUse | None = None
-    if isinstance(req, schema.ChatCompletionRequest):
-        template = state.template
-        use = tool_use(req, native=tools.knows_tools(template.source))
-        messages = _chat_messages(req, use)
-        work = sum(len(m["content"]) for m in messages) + CHARS_PER_MESSAGE * len(messages)
-        template_tools = use.template_tools if use is not None else None
+    return await prepare_request(state, req)
 
-        def render() -> list[list[int]]:
-            return [chat_tokens(template, vocab, messages, template_tools)]
 
-        max_tokens = req.max_completion_tokens or req.max_tokens
-    else:
-        prompts = _completion_prompts(req, vocab.n_tokens)
-        work = sum(len(p) for p in prompts)
+async def prepare_request(state: ServerState, req: schema.ChatCompletionRequest | schema.CompletionRequest) -> Prepared:
+    """``req`` as a job for ``state``'s engine: the one request path. Every dialect parses its
+    body into one of these two (the internal request: prompt, sampling, constraints, tools,
+    scope) and comes here; the preflight checks, prompt building, sampling and constraints are
+    done once, here.
 
-        def render() -> list[list[int]]:
-            return [text_tokens(vocab, p) if isinstance(p, str) else list(p) for p in prompts]
-
-        max_tokens = req.max_tokens
+    *Cancellation*: safe at any point; a render or tokenization running in a worker thread
+    (it holds the vocabulary) is waited for, never abandoned.
+    """
+    refuse_unsupported(req)
+    lease = await model_lease(state, req.model)
     try:
-        all_tokens = await trio.to_thread.run_sync(render) if work > INLINE_WORK_CHARS else render()
-    except ffi.TemplateError as exc:
-        raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-    except ffi.TokenizeError as exc:
-        raise ApiError(400, str(exc), param=param) from None
-    except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate is not text
-        problem = "the text contains a lone UTF-16 surrogate (invalid Unicode)"
-        raise ApiError(400, problem, param=param, code="invalid_value") from None
+        prepared = await _prepare(state, req, lease)
+    except BaseException:
+        lease.release()
+        raise
+    lease.release_with(prepared)  # at the latest; the answer releases it when it ends
+    return prepared
+
+
+async def _prepare(
+    state: ServerState, req: schema.ChatCompletionRequest | schema.CompletionRequest, lease: Lease
+) -> Prepared:
+    chat = isinstance(req, schema.ChatCompletionRequest)
+    engine, info, parallel = lease.engine, lease.info, lease.spec.settings.parallel
+    param = "messages" if chat else "prompt"
+    prompt, all_tokens = await _tokens(req, engine, info)
     if not all(all_tokens):
         raise ApiError(400, "the prompt is empty", param=param, code="invalid_value")
-    ceiling = state.settings.max_tokens
+    n = req.n or 1
+    if n * len(all_tokens) > parallel:
+        what = f"n is {n}" if len(all_tokens) == 1 else f"{len(all_tokens)} prompts x n {n}"
+        message = f"{what}; this server decodes at most {parallel} sequences at once (--parallel)"
+        raise ApiError(400, message, param="n" if len(all_tokens) == 1 else "prompt", code="invalid_value")
+    max_tokens, ceiling = prompt.max_tokens, state.settings.max_tokens
     if ceiling is not None:
         max_tokens = min(max_tokens or ceiling, ceiling)
     logprobs = _logprobs_wanted(req)
-    n = req.n or 1
-    if n * len(all_tokens) > state.settings.parallel:
-        what = f"n is {n}" if len(all_tokens) == 1 else f"{len(all_tokens)} prompts x n {n}"
-        message = f"{what}; this server decodes at most {state.settings.parallel} sequences at once (--parallel)"
-        raise ApiError(400, message, param="n" if len(all_tokens) == 1 else "prompt", code="invalid_value")
+    scope = cache_scope(req.cache_salt)
     job = Job(
         all_tokens[0],
-        sampling_params(req, vocab.n_tokens),
+        sampling_params(req, engine.vocab.n_tokens),
         more_prompts=tuple(all_tokens[1:]),
         max_tokens=max_tokens,
         stop=req.stop_list(),
-        cache_scope=cache_scope(req.cache_salt),
-        grammar=await output_grammar(state, req, use),
+        cache_scope=scope,
+        grammar=await output_grammar(lease.runtime, req, prompt.use, scope),
         logprobs=logprobs,
         n=n,
         streamed=req.stream,
@@ -198,14 +150,81 @@ async def prepare(state: ServerState, *, chat: bool) -> Prepared:
     error = engine.admission_error(job)
     if error is not None:
         raise ApiError.from_engine(error, param=param)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    use = prompt.use
     scheme: Literal["generic", "native"] | None = None
     if use is not None and use.constrained:
         scheme = "native" if use.native else "generic"
+    return Prepared(
+        job,
+        lease,
+        engine,
+        info,
+        req.stream,
+        bool(req.stream_options and req.stream_options.include_usage),
+        chat,
+        tools=scheme,
+        logprobs=logprobs is not None,
+        echo=prompt.echo,
+    )
+
+
+async def prompt_tokens(state: ServerState, req: schema.ChatCompletionRequest) -> int:
+    """How many tokens ``req``'s prompt is, built as ``prepare_request`` builds it (tools and
+    all), without generating anything: what the count-tokens routes answer.
+
+    *Cancellation*: as ``prepare_request``.
+    """
+    refuse_unsupported(req)
+    lease = await model_lease(state, req.model)
+    try:
+        _, all_tokens = await _tokens(req, lease.engine, lease.info)
+    finally:
+        lease.release()
+    return sum(len(tokens) for tokens in all_tokens)
+
+
+async def _tokens(
+    req: schema.ChatCompletionRequest | schema.CompletionRequest, engine: Engine, info: ModelInfo
+) -> tuple[_Prompt, list[list[int]]]:
+    """The request's prompt, and its tokens (rendered and tokenized off the loop when large)."""
+    prompt = _prompt(req, engine, info)
+    with tokenizing("messages" if isinstance(req, schema.ChatCompletionRequest) else "prompt"):
+        return prompt, await off_loop(prompt.work, prompt.render)
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """How a request's prompts become tokens, before it is done."""
+
+    render: Callable[[], list[list[int]]]  # each prompt's tokens
+    work: int  # characters of text (``preflight.off_loop``)
+    max_tokens: int | None  # as the request asked
+    use: ToolUse | None = None
+    echo: tuple[str, ...] = ()  # each prompt's text, when the answers are to start with it
+
+
+def _prompt(req: schema.ChatCompletionRequest | schema.CompletionRequest, engine: Engine, info: ModelInfo) -> _Prompt:
+    vocab = engine.vocab
+    if isinstance(req, schema.ChatCompletionRequest):
+        template = info.template
+        use = tool_use(req, native=tools.knows_tools(template.source))
+        messages = _chat_messages(req, use, template.named_roles)
+        template_tools = use.template_tools if use is not None else None
+
+        def render_chat() -> list[list[int]]:
+            return [chat_tokens(template, vocab, messages, template_tools)]
+
+        work = sum(len(m["content"]) for m in messages) + CHARS_PER_MESSAGE * len(messages)
+        return _Prompt(render_chat, work, req.max_completion_tokens or req.max_tokens, use)
+    prompts = _completion_prompts(req, vocab.n_tokens)
+
+    def render() -> list[list[int]]:
+        return [text_tokens(vocab, p) if isinstance(p, str) else list(p) for p in prompts]
+
     echo: tuple[str, ...] = ()
-    if isinstance(req, schema.CompletionRequest) and req.echo:
-        echo = tuple(p if isinstance(p, str) else vocab.detokenize(p) for p in _completion_prompts(req, vocab.n_tokens))
-    return Prepared(job, req.stream, include_usage, chat, tools=scheme, logprobs=logprobs is not None, echo=echo)
+    if req.echo:
+        echo = tuple(p if isinstance(p, str) else vocab.detokenize(p) for p in prompts)
+    return _Prompt(render, sum(len(p) for p in prompts), req.max_tokens, echo=echo)
 
 
 def _completion_prompts(req: schema.CompletionRequest, n_vocab: int) -> list[str | list[int]]:
@@ -236,9 +255,13 @@ def _logprobs_wanted(req: schema.ChatCompletionRequest | schema.CompletionReques
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def _chat_messages(req: schema.ChatCompletionRequest, use: ToolUse | None) -> list[dict[str, str]]:
-    """The request's messages as role/content pairs for the template; a history with tool
-    calls and results is rewritten for templates that know no tools (``tools.conversation``)."""
+def _chat_messages(
+    req: schema.ChatCompletionRequest, use: ToolUse | None, named_roles: frozenset[str]
+) -> list[dict[str, str]]:
+    """The request's messages as role/content pairs for the template (with a ``name`` where
+    the template renders names for that role: ``named_roles``; refused where it does not); a
+    history with tool calls and results is rewritten for templates that know no tools
+    (``tools.conversation``)."""
     messages: list[dict[str, Any]] = []
     with_tools = use is not None
     for i, message in enumerate(req.messages):
@@ -248,6 +271,11 @@ def _chat_messages(req: schema.ChatCompletionRequest, use: ToolUse | None) -> li
             raise ApiError(400, str(exc), param=f"messages[{i}].content[{exc.index}].type") from None
         role = "system" if message.role == "developer" else message.role
         entry: dict[str, Any] = {"role": role, "content": text}
+        if message.name is not None and message.role != "tool":
+            if role not in named_roles:
+                problem = f"this model's chat template does not render the name of a {role} message"
+                raise ApiError(400, problem, param=f"messages[{i}].name", code="unsupported_parameter")
+            entry["name"] = message.name
         if message.role == "tool":
             if message.tool_call_id is None:
                 message_ = "a tool message needs the tool_call_id of the call it answers"

@@ -58,14 +58,14 @@ def chat_tokens(
 ) -> list[int]:
     """The tokens of ``messages`` (and ``tools``, for a template that renders them) rendered
     by ``template`` with the generation prompt; only the template's own text yields control
-    tokens. Control-token text in tool definitions and calls is broken as in the fallback
-    below. Blocking: may take milliseconds."""
+    tokens. Control-token text in tool definitions, calls and names is broken as in the
+    fallback below. Blocking: may take milliseconds."""
     control = vocab.control_pattern
     if tools:
         tools = [_break_all(control, tool) for tool in tools]
-    messages = [
-        {**m, "tool_calls": _break_all(control, m["tool_calls"])} if m.get("tool_calls") else m for m in messages
-    ]
+    # Every field but the content (names, tool calls, ids) is rendered as the template's own
+    # text: control-token text in it is broken.
+    messages = [{k: v if k in ("role", "content") else _break_all(control, v) for k, v in m.items()} for m in messages]
     render = functools.partial(template.render, add_generation_prompt=True, tools=tools)
     rendered = render(messages)
     if not any(control.search(m["content"]) for m in messages):

@@ -1,15 +1,17 @@
 """The wire schema: pydantic models of requests, responses and errors. No engine imports.
 
-Requests are validated strictly (no "1" for 1, no NaN or infinity). A request field is either
-implemented (a field below), on ``IGNORABLE_FIELDS`` (it cannot change the answer), or refused
-with a 400 ``unsupported_parameter`` naming it (``unsupported``): never accepted and dropped.
+Requests are validated strictly (no "1" for 1, no NaN or infinity). A request field, at the
+top level or in a nested object (a message, a part, a tool, an option), is either implemented
+(a field below), on its object's ignorable list (``IGNORABLE_FIELDS`` at the top level: it
+cannot change the answer), null (not set), or refused with a 400 ``unsupported_parameter``
+naming it with its path (``unsupported``): never accepted and dropped.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 16
@@ -39,12 +41,75 @@ IGNORABLE_FIELDS = frozenset(
 
 
 class _Request(BaseModel):
+    """A request object: its known fields validated strictly, others kept (``model_extra``)
+    so that ``unsupported`` can name them."""
+
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    # Unknown fields of this object accepted and not used: they cannot change the answer.
+    _ignorable: ClassVar[frozenset[str]] = frozenset()
+
+    def unsupported_at(self, path: str) -> str | None:
+        """The path of the first field, here or in an object below, set to something this
+        server does not do (``messages[0].foo``), or None. A field set to null is not set.
+        Objects with values to check override ``refused_value``."""
+        for name, value in (self.model_extra or {}).items():
+            if value is not None and name not in self._ignorable:
+                return _join(path, name)
+        refused = self.refused_value()
+        if refused is not None:
+            return _join(path, refused)
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            values = enumerate(value) if isinstance(value, list) else ((None, value),)
+            for i, item in values:
+                if isinstance(item, _Request):
+                    where = _join(path, field.alias or name) + ("" if i is None else f"[{i}]")
+                    found = item.unsupported_at(where)
+                    if found is not None:
+                        return found
+        return None
+
+    def refused_value(self) -> str | None:
+        """The first known field of this object set to a value this server does not do."""
+        return None
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
+class Known(BaseModel):
+    """A nested object of a request whose every field is known: another field is a 400,
+    unless it is null (it sets nothing; an SDK's response objects, sent back as input, carry
+    such fields)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_nulls(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if v is not None or k in cls.model_fields}
+        return value
+
+
+class StrictRequest(BaseModel):
+    """A request body with no fields but its own (an unknown one is a 400)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+class ContentPart(_Request):
+    """A part of a message's content: text (an assistant's refusal is text too); other types
+    are refused by ``Message.text`` naming the part's ``type``."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+    _ignorable = frozenset({"prompt_cache_breakpoint"})  # a caching hint, as prompt_cache_* above
+
+    def unsupported_at(self, path: str) -> str | None:
+        return super().unsupported_at(path) if self.type in ("text", "refusal") else None
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -63,26 +128,38 @@ class ToolCall(_Request):
 
 class Message(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: str | list[ContentPart] | None = None
+    # The participant's name: a tool's names its function; others are rendered where the chat
+    # template renders names, and refused where it does not (``prepare``).
+    name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # tool
+    refusal: str | None = None  # assistant: what it said in refusing, rendered as its content
+
+    def refused_value(self) -> str | None:
+        if self.refusal is not None and self.role != "assistant":
+            return "refusal"
+        if isinstance(self.content, list) and self.role != "assistant":
+            for i, part in enumerate(self.content):
+                if part.type == "refusal":
+                    return f"content[{i}].type"
+        return None
 
     def text(self) -> str:
-        """The content as one string; raises ``ValueError`` naming a part we cannot take."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
+        """The content as one string, an assistant's refusal included; raises ``PartError``
+        naming a part we cannot take."""
         texts = []
-        for i, part in enumerate(self.content):
-            kind = part.get("type")
-            if kind != "text":
-                raise PartError(i, f"content part type {kind!r} is not supported; only 'text' parts are")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise PartError(i, "a text part needs a string 'text'")
+        if isinstance(self.content, str):
+            texts.append(self.content)
+        for i, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            text = part.text if part.type == "text" else part.refusal if part.type == "refusal" else None
+            if part.type not in ("text", "refusal"):
+                raise PartError(i, f"content part type {part.type!r} is not supported; only 'text' parts are")
+            if text is None:
+                raise PartError(i, f"a {part.type} part needs a string {part.type!r}")
             texts.append(text)
+        if self.refusal:
+            texts = [*(t for t in texts if t), self.refusal]
         return "\n".join(texts)  # as llama-server and vLLM join parts
 
 
@@ -102,11 +179,27 @@ class JsonSchemaFormat(_Request):
 
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+    json_schema: JsonSchemaFormat | None = None  # with type json_schema
+    # With type json_object, as llama-server takes it: the schema the object follows.
+    object_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    def refused_value(self) -> str | None:
+        if self.json_schema is not None and self.type != "json_schema":
+            return "json_schema"
+        if self.object_schema is not None and self.type != "json_object":
+            return "schema"
+        return None
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's usage in every chunk: not done
+    include_obfuscation: bool = False  # OpenAI's padding of chunks: not done
+
+    def refused_value(self) -> str | None:
+        if self.continuous_usage_stats:
+            return "continuous_usage_stats"
+        return "include_obfuscation" if self.include_obfuscation else None
 
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -161,13 +254,13 @@ class CommonFields(_Request):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
 
+    _ignorable = IGNORABLE_FIELDS
+
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None: an unknown
-        field that is not ignorable, or a value of a known one that is not implemented."""
-        for name in self.model_extra or {}:
-            if name not in IGNORABLE_FIELDS:
-                return name
-        return None
+        field that is not ignorable, here or in a nested object (its path), or a value of a
+        known one that is not implemented."""
+        return self.unsupported_at("")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -268,13 +361,12 @@ class EmbeddingRequest(_Request):
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None  # ignorable
 
+    _ignorable = IGNORABLE_FIELDS
+
     def unsupported(self) -> str | None:
         """The first field this server does not do: any unknown one not ignorable, or
         ``dimensions`` (the model's size is the only one)."""
-        for name in self.model_extra or {}:
-            if name not in IGNORABLE_FIELDS:
-                return name
-        return "dimensions" if self.dimensions is not None else None
+        return self.unsupported_at("") or ("dimensions" if self.dimensions is not None else None)
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -348,25 +440,22 @@ class ModelMeta(BaseModel):
     name: str  # general.name (the file's name without .gguf when it has none)
 
 
+class ModelStatus(BaseModel):
+    value: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+    progress: float | None = None  # while loading, 0 to 1
+    error: str | None = None  # when the last load failed
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int  # when this server process started (a hot restart's new process: later)
     owned_by: str = "llama-trio"
+    aliases: list[str] | None = None  # other names a request's ``model`` may use
+    status: ModelStatus
     meta: ModelMeta | None = None  # once the model is loaded
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail

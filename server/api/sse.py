@@ -21,6 +21,17 @@ def event(payload: Any) -> bytes:
     return b"data: " + _dumps(payload).encode() + b"\n\n"
 
 
+def named_event(name: str, payload: Any) -> bytes:
+    """One event with an ``event:`` line naming it (OpenAI's Responses and Anthropic's
+    Messages streams name each event) and ``payload`` as compact JSON."""
+    return b"event: " + name.encode() + b"\ndata: " + _dumps(payload).encode() + b"\n\n"
+
+
+def compact(value: Any) -> str:
+    """``value`` as the compact JSON text events carry."""
+    return _dumps(value)
+
+
 def error_event(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
     return event({"error": {"message": message, "type": type_, "param": param, "code": code}})
 

@@ -1,4 +1,9 @@
-"""Streamed responses: the SSE body of a completion, and its fast path.
+"""Streamed responses: the one SSE body loop every API family's stream runs, and its fast path.
+
+A stream's wire format is its dialect's (``StreamDialect``: OpenAI's chunks in
+``openai_stream``, and each other API family's own); what every stream shares is here, once:
+submitting the job and leaving it on any exit, pings while silent, probing a client that
+half-closed, the direct path, errors and the drain's cut as the dialect's terminal events.
 
 The SSE body is an async generator that Quart sends chunk by chunk; on top of that, while
 the socket takes them, the engine task writes a stream's text pieces straight to the socket
@@ -27,27 +32,67 @@ re-arms the sink, so backpressure (the sequence pauses) and the write timeout wo
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 import trio
 from quart import Response
 
-from server.api import logprobs, sse, tools
+from server.api.errors import ApiError
 from server.api.prepare import Prepared
-from server.api.trace import Trace, merged_usage, usage_payload
-from server.engine import Engine, EngineError, Piece, PieceSink, Usage
+from server.api.trace import Trace, merged_usage
+from server.engine import EngineError, Piece, Pieces, PieceSink, Usage
 from server.net.transport import ChunkWriter, current_transport
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class StreamDialect(Protocol):
+    """How one API family writes a streamed answer. The body loop calls, in order:
+    ``opening`` (before the job is submitted), ``feed`` for each piece and ``finish`` at each
+    choice's last piece, then ``closing`` once every choice has finished, or ``failed`` instead
+    when the job ends with an error (a refusal, an engine failure, the drain's cut): the stream
+    then ends well-formed in the dialect's own terms. Renders bytes; does no IO."""
+
+    ping: bytes  # written while silent; harmless between any two events
+
+    def opening(self) -> Sequence[bytes]: ...
+
+    def feed(self, piece: Piece) -> Sequence[bytes]: ...
+
+    def finish(self, piece: Piece) -> Sequence[bytes]: ...
+
+    def closing(self, usage: Usage | None) -> Sequence[bytes]: ...
+
+    def failed(self, error: ApiError) -> Sequence[bytes]: ...
+
+    def direct_text(self) -> Callable[[str], bytes] | None:
+        """How a piece of plain text is framed when the engine task writes it directly (it
+        must be exactly what ``feed`` would give for it); None when pieces need translating
+        (tool calls, logprobs, several choices), and then every piece goes through ``feed``.
+        The function only renders: a piece it framed may yet be refused by the socket and go
+        through ``feed`` instead; ``direct_written`` says when it went out."""
+        ...
+
+    def direct_written(self) -> None:
+        """The engine task wrote the piece ``direct_text`` framed last: a dialect whose events
+        are numbered (``sequence_number``) counts it here."""
+        ...
+
+
 def streamed_response(
-    engine: Engine, prepared: Prepared, framer: sse.ChunkFramer, trace: Trace, ping_interval: float
+    prepared: Prepared,
+    dialect: StreamDialect,
+    trace: Trace,
+    ping_interval: float,
+    *,
+    before_closing: Callable[[], Awaitable[None]] | None = None,
 ) -> Response:
-    """The ``text/event-stream`` response for ``prepared``; its job is submitted when Quart
-    starts sending the body."""
-    body = _sse_body(engine, prepared, framer, trace, ping_interval)
+    """The ``text/event-stream`` response for ``prepared`` in ``dialect``; its job is submitted
+    when Quart starts sending the body. ``before_closing`` is awaited once the job has ended
+    well, after the dialect rendered its ``closing`` and before that is written: what a client
+    may do as soon as it reads the end (continue a stored response) is possible by then."""
+    body = _sse_body(prepared, dialect, trace, ping_interval, before_closing)
     return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -61,29 +106,34 @@ class _Probe:
     """Probing a client that ended its input: a ping written at once (the connection then
     looks for a reset), later ones from the body's wait, which ``start`` cuts short."""
 
-    __slots__ = ("active", "scope", "write")
+    __slots__ = ("active", "ping", "scope", "write")
 
-    def __init__(self) -> None:
+    def __init__(self, ping: bytes) -> None:
         self.active = False
+        self.ping = ping
         self.scope: trio.CancelScope | None = None
-        self.write: Callable[[bytes], bool] | None = None  # once the body is being sent
+        self.write: ChunkWriter | None = None  # once the body is being sent
 
     def start(self) -> None:
         self.active = True
         if self.write is not None:
-            self.write(sse.PING)  # a comment: harmless between any two events
+            self.write(self.ping)
         if self.scope is not None:
             self.scope.deadline = -math.inf
 
 
 async def _sse_body(
-    engine: Engine, prepared: Prepared, framer: sse.ChunkFramer, trace: Trace, ping_interval: float
+    prepared: Prepared,
+    dialect: StreamDialect,
+    trace: Trace,
+    ping_interval: float,
+    before_closing: Callable[[], Awaitable[None]] | None,
 ) -> AsyncIterator[bytes]:
     """The SSE body. Leaving it for any reason (done, error, the client gone) releases the
-    job; it always ends with ``[DONE]`` when it ends by itself. After ``ping_interval`` seconds
-    without a write (queued, a long prompt) a comment line goes out, which keeps proxies and
-    clients from timing the stream out; every ``PROBE_INTERVAL`` once the client has ended its
-    input.
+    job; when it ends by itself it ends with the dialect's ``closing`` or ``failed``. After
+    ``ping_interval`` seconds without a write (queued, a long prompt) the dialect's ping goes
+    out, which keeps proxies and clients from timing the stream out; every ``PROBE_INTERVAL``
+    once the client has ended its input.
 
     Text pieces are written by the engine task straight to the socket while that is possible;
     this generator wakes for the rest: the end, errors, pings, and pieces the socket could not
@@ -93,148 +143,86 @@ async def _sse_body(
     away; the ``submit`` block is left and the engine frees the sequence before its next step.
     """
     transport = current_transport.get()
-    probe = _Probe()
+    probe = _Probe(dialect.ping)
     if transport is not None:
         transport.on_peer_closed(probe.start)
     try:
-        for index in range(prepared.job.n_choices):
-            if prepared.chat:
-                yield framer.role(index)
-            elif prepared.echo:  # each answer starts with its prompt
-                yield framer.text(prepared.echo[index // prepared.job.n], index=index)
+        for event in dialect.opening():
+            yield event
         try:
             usages: list[Usage] = []
-            async with engine.submit(prepared.job) as pieces:
-                # A tool-using answer is translated piece by piece here; others may go directly.
+            async with prepared.engine.submit(prepared.job) as pieces:
                 # Hypercorn sends the head with the first chunk: only from here on is the body
-                # being sent (for chat; a completion stream has no first chunk yet, so no writer).
+                # being sent (when the dialect's opening wrote one; else there is no writer).
                 probe.write = write = transport.body_writer() if transport is not None else None
-                direct = write is not None and not prepared.tools and not prepared.logprobs
-                sink = _direct_sink(write, framer, trace) if direct and write is not None else None
-                answer: _Answer
-                if prepared.tools:
-                    answer = _ToolAnswer(framer, prepared.tools)
-                elif prepared.logprobs:
-                    answer = _LogprobAnswer(framer, engine.vocab.piece)
-                else:
-                    answer = _TextAnswer(framer)
+                frame = dialect.direct_text()
+                sink = None
+                if write is not None and frame is not None:
+                    sink = _direct_sink(write, frame, dialect.direct_written, trace)
                 trace.written = trio.current_time()
-                while True:
-                    if sink is not None:
-                        pieces.deliver_directly(sink)  # everything taken so far is written
-                    interval = PROBE_INTERVAL if probe.active else ping_interval
-                    with trio.move_on_at(trace.written + interval) as waited:
-                        probe.scope = waited
-                        try:
-                            piece = await pieces.__anext__()
-                        except StopAsyncIteration:
-                            break
-                        finally:
-                            probe.scope = None
-                    if waited.cancelled_caught:
-                        if trio.current_time() >= trace.written + interval:  # silent that long
-                            trace.written = trio.current_time()
-                            yield sse.PING
-                        continue
-                    trace.piece(piece)
-                    chunks = answer.feed(piece)
-                    for chunk in chunks:
-                        yield chunk
-                    if chunks:
-                        trace.written = trio.current_time()
-                    if piece.finish_reason:
-                        yield framer.finish(answer.finish_reason(piece.finish_reason), piece.index)
-                        if piece.usage is not None:
-                            usages.append(piece.usage)
-            if prepared.include_usage and usages:
-                yield framer.usage(usage_payload(merged_usage(usages)))
+                async for events, piece in _events(pieces, dialect, sink, probe, trace, ping_interval):
+                    for event in events:
+                        yield event
+                    if piece is not None and piece.usage is not None:
+                        usages.append(piece.usage)
+            closing = dialect.closing(merged_usage(usages) if usages else None)
+            if before_closing is not None:
+                await before_closing()
         except EngineError as exc:
             trace.ending = exc.code
-            type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
-            yield sse.error_event(str(exc), type_, exc.code)
-        yield sse.DONE
+            closing = dialect.failed(ApiError.from_engine(exc, param=prepared.prompt_param))
+        for event in closing:
+            yield event
     finally:
+        prepared.lease.release()
         if transport is not None:
             transport.on_peer_closed(None)
         trace.log()
 
 
-class _Answer(Protocol):
-    """How an answer's pieces become chunks, and what its finish reason is called."""
-
-    def feed(self, piece: Piece) -> Sequence[bytes]: ...
-
-    def finish_reason(self, reason: str) -> str: ...
-
-
-class _TextAnswer:
-    """An answer streamed as it is: each piece with text one content delta."""
-
-    def __init__(self, framer: sse.ChunkFramer) -> None:
-        self._framer = framer
-
-    def feed(self, piece: Piece) -> Sequence[bytes]:
-        return (self._framer.text(piece.text, index=piece.index),) if piece.text else ()
-
-    def finish_reason(self, reason: str) -> str:
-        return reason
-
-
-class _LogprobAnswer(_TextAnswer):
-    """Each piece one chunk with its text and its tokens' log-probabilities."""
-
-    def __init__(self, framer: sse.ChunkFramer, token_bytes: logprobs.TokenBytes) -> None:
-        super().__init__(framer)
-        self._token_bytes = token_bytes
-        self._completions: dict[int, logprobs.CompletionLogprobs] = {}  # text offsets, per choice
-
-    def feed(self, piece: Piece) -> Sequence[bytes]:
-        if not piece.text and not piece.logprobs:
-            return ()
-        if self._framer.chat:
-            payload = {"content": logprobs.chat_content(piece.logprobs, self._token_bytes), "refusal": None}
-        else:
-            reader = self._completions.setdefault(piece.index, logprobs.CompletionLogprobs(self._token_bytes))
-            payload = reader.payload(piece.logprobs, piece.text)
-        return (self._framer.text(piece.text, logprobs=payload, index=piece.index),)
+async def _events(
+    pieces: Pieces, dialect: StreamDialect, sink: PieceSink | None, probe: _Probe, trace: Trace, ping_interval: float
+) -> AsyncIterator[tuple[Sequence[bytes], Piece | None]]:
+    """The events to write as the job's pieces come (with the piece, None for a ping), until
+    its last; a ping after each silence of ``ping_interval`` (``PROBE_INTERVAL`` once probing)."""
+    while True:
+        if sink is not None:
+            pieces.deliver_directly(sink)  # everything taken so far is written
+        interval = PROBE_INTERVAL if probe.active else ping_interval
+        with trio.move_on_at(trace.written + interval) as waited:
+            probe.scope = waited
+            try:
+                piece = await pieces.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                probe.scope = None
+        if waited.cancelled_caught:
+            if trio.current_time() >= trace.written + interval:  # silent that long
+                trace.written = trio.current_time()
+                yield (dialect.ping,), None
+            continue
+        trace.piece(piece)
+        events = list(dialect.feed(piece))
+        if piece.finish_reason:
+            events.extend(dialect.finish(piece))
+        if events:
+            trace.written = trio.current_time()
+        yield events, piece
 
 
-class _ToolAnswer:
-    """A tool-using answer (``api/tools.py``) as OpenAI streams it: response text as content
-    deltas, each call as a first delta with its index, id, type and name (arguments "") and
-    then its arguments' JSON text in fragments."""
-
-    def __init__(self, framer: sse.ChunkFramer, scheme: str) -> None:
-        self._framer = framer
-        self._parser = tools.NativeAnswerParser() if scheme == "native" else tools.AnswerParser()
-
-    def feed(self, piece: Piece) -> Sequence[bytes]:
-        chunks: list[bytes] = []
-        for event in self._parser.feed(piece.text):
-            if isinstance(event, tools.Content):
-                chunks.append(self._framer.text(event.text))
-            elif isinstance(event, tools.CallStart):
-                start = {"index": event.index, "id": tools.call_id(), "type": "function"}
-                start["function"] = {"name": event.name, "arguments": ""}
-                chunks.append(self._framer.delta({"tool_calls": [start]}))
-            else:
-                fragment = {"index": event.index, "function": {"arguments": event.fragment}}
-                chunks.append(self._framer.delta({"tool_calls": [fragment]}))
-        return chunks
-
-    def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self._parser.calls and reason == "stop" else reason
-
-
-def _direct_sink(write: ChunkWriter, framer: sse.ChunkFramer, trace: Trace) -> PieceSink:
-    """The sink the engine task calls with each piece of this stream: frame it as an SSE event
-    in an HTTP/1.1 chunk and write it without waiting (True), or refuse (False: the socket
-    would block or is gone, or it is the last piece, which the body sends with the finish and
-    usage events)."""
+def _direct_sink(
+    write: ChunkWriter, frame: Callable[[str], bytes], written: Callable[[], None], trace: Trace
+) -> PieceSink:
+    """The sink the engine task calls with each piece of this stream: frame it and write it
+    without waiting (True; ``written`` is told), or refuse (False: the socket would block or is
+    gone, or it is the last piece, which the body sends with the dialect's finish and closing
+    events)."""
 
     def sink(piece: Piece) -> bool:
-        if piece.finish_reason is not None or not write(framer.text(piece.text)):
+        if piece.finish_reason is not None or not write(frame(piece.text)):
             return False
+        written()
         trace.piece(piece)
         trace.written = trio.current_time()
         return True

@@ -128,13 +128,18 @@ def conversation(messages: Sequence[Mapping[str, Any]], system_extra: str | None
             call_id = message.get("tool_call_id", "")
             name = names.get(call_id) or message.get("name") or "a tool"
             role, content = "user", f"Result of {name} (call {call_id}): {content}"
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **_name_of(message)})
     if system_extra is not None:
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{system_extra}".strip()}
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system_extra}".strip()}
         else:
             out.insert(0, {"role": "system", "content": system_extra})
     return out
+
+
+def _name_of(message: Mapping[str, Any]) -> dict[str, str]:
+    """A participant's ``name`` (not a tool's, which names the call's function) to keep."""
+    return {"name": message["name"]} if message.get("name") and message["role"] != "tool" else {}
 
 
 def _json_or_text(arguments: str) -> Any:
@@ -192,7 +197,7 @@ def native_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
     for message in messages:
-        entry: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
+        entry: dict[str, Any] = {"role": message["role"], "content": message.get("content") or "", **_name_of(message)}
         if message.get("tool_calls"):
             entry["tool_calls"] = []
             for call in message["tool_calls"]:

@@ -1,7 +1,7 @@
 """The engine: continuous batching of jobs over one llama.cpp context. Knows no HTTP.
 
 - ``jobs``: the vocabulary (``Job``, ``Piece``, ``Usage``, ``PieceSink``, the errors);
-- ``config``: ``EngineConfig`` and ``EngineStats``;
+- ``config``: ``EngineConfig``, ``EngineStats`` and ``EmbedderStats``;
 - ``scheduler``: pure decisions (which sequence, what one step carries, stop strings, when a
   job finishes), unit-tested without a model;
 - ``grammar``: grammars (llguidance) for constrained decoding, one matcher per sequence;
@@ -12,7 +12,7 @@
 """
 
 from server.engine.choice import Pieces
-from server.engine.config import EngineConfig, EngineStats
+from server.engine.config import EmbedderStats, EngineConfig, EngineStats
 from server.engine.decode_thread import DecodeThread
 from server.engine.driver import Engine, open_engine
 from server.engine.jobs import (
@@ -34,6 +34,7 @@ __all__ = [
     "ConstraintFailed",
     "ContextLengthExceeded",
     "DecodeThread",
+    "EmbedderStats",
     "Engine",
     "EngineConfig",
     "EngineError",

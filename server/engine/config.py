@@ -1,9 +1,11 @@
-"""How an engine is shaped (``EngineConfig``) and what it reports (``EngineStats``)."""
+"""How an engine is shaped (``EngineConfig``) and what it and the embedder report
+(``EngineStats``, ``EmbedderStats``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ffi
 from server.engine.jobs import Phase
 
 
@@ -18,6 +20,8 @@ class EngineConfig:
     channel_size: int = 32
     # Host RAM for prompt prefixes evicted from the sequences (``prompt_cache``); 0: none.
     cache_bytes: int = 0
+    # Flash attention, the KV cache's types and where it sits.
+    attention: ffi.Attention = field(default_factory=ffi.Attention)
     # Tokens a grammar forces go into the next decode together (one step for the run), up to
     # n_batch // n_parallel per sequence; off: one step per token, each sampled under its mask.
     fast_forward: bool = True
@@ -58,3 +62,12 @@ class EngineStats:
     prompt_cache_save_seconds: float = 0.0
     prompt_cache_restore_seconds: float = 0.0
     cancellations: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
+
+
+@dataclass
+class EmbedderStats:
+    """What the embedder keeps up to date; read it, never write it."""
+
+    requests: int = 0  # in progress: embedding, or waiting for their turn
+    inputs: int = 0  # inputs embedded, all requests together
+    ended_early: int = 0  # requests that ended before all their inputs were embedded

@@ -79,6 +79,7 @@ class Engine:
             # runs beside it, so greedy output does not depend on the other sequences (with a
             # unified buffer, attention sums run in a layout-dependent order and can differ).
             kv_unified=False,
+            attention=config.attention,
         )
         self.n_ctx_seq = self.context.n_ctx_seq
         self.n_batch = self.context.n_batch  # llama.cpp lowers n_batch to n_ctx when it is larger
@@ -360,7 +361,7 @@ class Engine:
             # A copy's prompt was its source's: a job's usage is the sum over its choices.
             prompt_tokens = len(choice.prompt) if choice.source is choice else 0
             usage = Usage(prompt_tokens, choice.n_generated, choice.cached_tokens, choice.restored_tokens)
-            piece = Piece(text, piece_tokens, verdict.finish, usage, logprobs, choice.index)
+            piece = Piece(text, piece_tokens, verdict.finish, usage, logprobs, choice.index, choice.stops.matched)
             self._outbox.queue(choice, piece, last=True)
             choice.phase = None
             self.stats.requests_finished += 1

@@ -7,7 +7,8 @@ model, made with ``embeddings`` on. Knows no HTTP.
 Inputs are packed into as few decodes as fit (at most ``n_batch`` tokens and ``n_seq_max``
 sequences each); each decode runs in the embedder's own decode thread, and the sequences are
 cleared after it. One request's inputs run at a time (a lock): embeddings never wait behind the
-generation engine, and share the CPU with it.
+generation engine, and share the CPU with it. A drain ends them as the engine's jobs:
+``fail_waiting`` those still waiting for their turn, ``abort_all`` at its deadline.
 """
 
 from __future__ import annotations
@@ -19,7 +20,21 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 
 import ffi
+from server.engine.config import EmbedderStats
 from server.engine.decode_thread import DecodeThread
+from server.engine.jobs import EngineError
+
+
+class _Call:
+    """One ``embed`` call: its cancel scope, whether it has its turn, and the error that ends
+    it when the embedder does."""
+
+    __slots__ = ("error", "running", "scope")
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.running = False
+        self.error: EngineError | None = None
 
 
 class Embedder:
@@ -34,18 +49,62 @@ class Embedder:
         self.max_tokens = min(context.n_ctx_seq, context.n_batch)  # per input
         self.pooling = context.pooling
         self._closed = False
+        self._calls: set[_Call] = set()
+        self._refusal: EngineError | None = None  # after ``abort_all``: every call ends with it
+        self.stats = EmbedderStats()
 
     async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        """One unit vector per input (each 1 to ``max_tokens`` tokens), in order.
+        """One unit vector per input (each 1 to ``max_tokens`` tokens), in order. Raises the
+        ``EngineError`` of ``fail_waiting`` or ``abort_all`` when they end it.
 
         *Cancellation*: between decodes; a decode in progress is waited for (never abandoned),
         and the sequences are cleared either way.
         """
+        if self._refusal is not None:
+            raise self._refusal
+        call = _Call()
+        self._calls.add(call)
+        self.stats.requests += 1
         out: list[list[float]] = []
+        try:
+            with call.scope:
+                async with self._lock:
+                    call.running = True
+                    for group in _pack(inputs, self._context.n_batch, self._context.n_seq_max):
+                        out += await self._thread.run(self._decode, group)
+                        self.stats.inputs += len(group)
+                return out
+        finally:
+            self._calls.discard(call)
+            self.stats.requests -= 1
+            if len(out) < len(inputs):
+                self.stats.ended_early += 1
+        assert call.error is not None  # only ours cancel its scope
+        raise call.error
+
+    def fail_waiting(self, error: EngineError) -> None:
+        """End the calls still waiting for their turn with ``error`` now."""
+        for call in self._calls:
+            if not call.running:
+                call.error = error
+                call.scope.cancel()
+
+    def abort_all(self, error: EngineError) -> None:
+        """End every call with ``error``, running ones after their decode in progress; later
+        calls too."""
+        self._refusal = error
+        for call in self._calls:
+            call.error = error
+            call.scope.cancel()
+
+    async def idle(self) -> None:
+        """Return once no call has the embedder (after ``abort_all``: once the decode in
+        progress, which is never abandoned, has ended).
+
+        *Cancellation*: safe at any point.
+        """
         async with self._lock:
-            for group in _pack(inputs, self._context.n_batch, self._context.n_seq_max):
-                out += await self._thread.run(self._decode, group)
-        return out
+            pass
 
     def _decode(self, group: Sequence[Sequence[int]]) -> list[list[float]]:
         """In the decode thread: one decode of ``group``, one sequence each."""
@@ -96,7 +155,14 @@ def model_pooling(model: ffi.Model) -> str:
 
 @contextlib.asynccontextmanager
 async def open_embedder(
-    model: ffi.Model, *, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int, pooling: str | None
+    model: ffi.Model,
+    *,
+    n_ctx: int,
+    n_batch: int,
+    n_seq_max: int,
+    n_threads: int,
+    pooling: str | None,
+    attention: ffi.Attention | None = None,
 ) -> AsyncIterator[Embedder]:
     """An ``Embedder`` for the block, closed when it ends.
 
@@ -114,6 +180,7 @@ async def open_embedder(
                 n_threads=n_threads,
                 embeddings=True,
                 pooling=pooling or model_pooling(model),
+                attention=attention or ffi.Attention(),
             )
             return Embedder(context, thread)
 

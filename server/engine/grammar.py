@@ -4,8 +4,10 @@ come next.
 
 - ``build_tokenizer(vocab)``: llguidance's view of the model's vocabulary, made once per model
   (it tokenizes through llama.cpp itself);
-- ``GrammarCache.compile(kind, source)``: a ``Grammar`` (blocking: run it in a worker thread),
-  or ``GrammarError`` with llguidance's own message; compiled grammars are kept by content;
+- ``GrammarCache.build(kind, source)``: a ``Grammar``, or ``GrammarError`` with llguidance's
+  own message or the bound it passes (``grammar_limits``); blocking, and only for a thread with
+  a large stack (``compiler.GrammarCompiler`` runs it); compiled grammars are kept by scope and
+  content (``get``, ``put``);
 - ``Grammar.matcher()``: a fresh matcher in the grammar's start state (a cheap copy).
 
 In the engine a constrained sequence's step is: the matcher writes its mask of allowed tokens
@@ -26,23 +28,14 @@ import llguidance
 
 import ffi
 from ffi.vocab import ATTR_CONTROL, ATTR_USER_DEFINED
+from server.engine import gbnf
+from server.engine.grammar_limits import LIMITS, check_gbnf, check_lark, check_schema_text
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 GrammarKind = Literal["json_schema", "lark", "gbnf"]
 
-# Resource bounds of one grammar, so that no schema can make compilation or a mask step take
-# unbounded time or memory (llguidance's own units; its defaults are 1,000,000 / 200,000 /
-# 50,000 / 250,000 / 500,000). Past them a compile is a GrammarError (400), a step an error.
-LIMITS = llguidance.LLParserLimits(
-    initial_lexer_fuel=1_000_000,
-    step_lexer_fuel=200_000,
-    step_max_items=50_000,
-    max_lexer_states=100_000,
-    max_grammar_size=200_000,
-    verbose_errors=False,  # messages go back to clients: no grammar dumps
-)
 # JSON output on one line, ", " and ": " between items, no other whitespace: a schema's output
 # is then one text for the model to follow, and whitespace cannot pad it up to max_tokens. A
 # schema may still choose otherwise with llguidance's "x-guidance" options.
@@ -53,6 +46,10 @@ JSON_OPTIONS: JsonCompileOptions = {
 }
 # Compiled grammars kept for reuse, least recently used out.
 GRAMMAR_CACHE_SIZE = 64
+# A key of the cache: (scope, kind, source). A grammar is reused only within its scope (an API
+# key's tenant and a cache salt, as prefixes are): a hit answers faster than a compile, which
+# would tell a client what another scope asked for.
+CacheKey = tuple[str, GrammarKind, str]
 
 
 class GrammarError(ValueError):
@@ -130,45 +127,62 @@ class Matcher:
 
 
 class GrammarCache:
-    """Compiles grammars for one tokenizer, keeping the last ``size`` by content. Thread-safe:
-    compiles run in worker threads."""
+    """Compiles grammars for one tokenizer and keeps the last ``size`` by scope and content.
+    Thread-safe: ``build`` runs in compile threads."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, size: int = GRAMMAR_CACHE_SIZE) -> None:
         self._tokenizer = tokenizer
         self._size = size
-        self._grammars: collections.OrderedDict[tuple[str, str], Grammar] = collections.OrderedDict()
+        self._grammars: collections.OrderedDict[CacheKey, Grammar] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, kind: GrammarKind, source: str) -> Grammar:
-        """Blocking: the grammar for ``source`` (a JSON Schema as JSON text, a Lark grammar, or
-        a GBNF grammar). Raises ``GrammarError``."""
-        key = (kind, source)
+    def get(self, key: CacheKey) -> Grammar | None:
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
                 self._grammars.move_to_end(key)
-                return grammar
-        grammar = Grammar(kind, self._build(kind, source))
+            return grammar
+
+    def put(self, key: CacheKey, grammar: Grammar) -> None:
         with self._lock:
             self._grammars[key] = grammar
             while len(self._grammars) > self._size:
                 self._grammars.popitem(last=False)
-        return grammar
 
-    def _build(self, kind: GrammarKind, source: str) -> llguidance.LLMatcher:
+    def build(self, kind: GrammarKind, source: str) -> Grammar:
+        """Blocking: the grammar for ``source`` (a JSON Schema as JSON text, a Lark grammar, or
+        a GBNF grammar), checked against ``grammar_limits`` first, and its first steps taken on
+        a copy, so that a grammar that fails there fails now. Raises ``GrammarError``.
+
+        llguidance recurses as deep as the grammar's chains: call this only in a thread whose
+        stack is ``grammar_limits.COMPILE_STACK_BYTES``."""
         try:
             if kind == "json_schema":
+                check_schema_text(source)
                 text = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
-            elif kind == "gbnf":
-                text = llguidance.grammar_from("gbnf", source)
             else:
+                if kind == "gbnf":
+                    check_gbnf(source)
+                    source = gbnf.to_lark(source)
+                check_lark(source)
                 text = llguidance.LLMatcher.grammar_from_lark(source)
-        except (ValueError, RuntimeError, TypeError) as exc:
+        except (ValueError, RuntimeError, TypeError) as exc:  # TooComplex and GbnfError too
             raise GrammarError(str(exc)) from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer, limits=LIMITS)
-        if is_error:
-            raise GrammarError(messages[0] if messages else "invalid grammar")
         matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return matcher
+        _first_steps(matcher.deep_copy())
+        return Grammar(kind, matcher)
+
+
+def _first_steps(probe: llguidance.LLMatcher) -> None:
+    """Compute the first mask, and the one after the tokens the grammar forces (an object's
+    ``{"name": ``): where a grammar too large for a step (``Current row has 32011 items``)
+    fails, it fails here, as a ``GrammarError``, rather than in the middle of an answer."""
+    probe.compute_bitmask()
+    forced = probe.compute_ff_tokens() if not probe.is_error() else []
+    if forced:
+        probe.consume_tokens(forced)
+        probe.compute_bitmask()
+    if probe.is_error():
+        raise GrammarError(probe.get_error())

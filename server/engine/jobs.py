@@ -58,7 +58,7 @@ class Job:
         is reproducible (no seed: each draws its own)."""
         if index == 0 or self.sampling.seed is None:
             return self.sampling
-        return dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) & 0xFFFFFFFF)
+        return dataclasses.replace(self.sampling, seed=self.sampling.seed + index)
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ class TokenLogprob:
 class Piece:
     """A delivery to a reader: new text and the tokens behind it (with their log-probabilities
     when the job asked). The last piece of each choice has ``finish_reason`` ("stop" or
-    "length") and ``usage`` (its own completion tokens); the others have neither."""
+    "length") and ``usage`` (its own completion tokens), and ``stop_sequence`` when one of the
+    job's stop strings ended it; the others have none of these."""
 
     text: str
     tokens: tuple[int, ...]
@@ -96,6 +97,7 @@ class Piece:
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     index: int = 0  # the choice, for a job with n > 1
+    stop_sequence: str | None = None
 
 
 class PieceSink(Protocol):

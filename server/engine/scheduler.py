@@ -138,15 +138,17 @@ class StopMatcher:
 
     ``feed(text)`` returns ``(safe_text, stopped)``: text that can no longer be part of a stop
     string is released; a suffix that might begin one is held until the next piece decides.
-    ``flush()`` releases what is held when generation ends for another reason.
+    ``flush()`` releases what is held when generation ends for another reason. ``matched`` is
+    the stop string that cut the text, once one has.
     """
 
-    __slots__ = ("_stops", "_held", "_longest")
+    __slots__ = ("_stops", "_held", "_longest", "matched")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self._longest = max((len(s) for s in self._stops), default=0)
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self._stops:
@@ -156,7 +158,7 @@ class StopMatcher:
         for stop in self._stops:
             i = buf.find(stop)
             if i >= 0 and (cut < 0 or i < cut):
-                cut = i
+                cut, self.matched = i, stop
         if cut >= 0:
             self._held = ""
             return buf[:cut], True

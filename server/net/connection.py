@@ -20,18 +20,13 @@ server's port makes a plain ``bind`` of that port fail after we exit. A connecti
 after an answer lingers (``LINGER_*``): what the client still sends is discarded until it
 closes, so that it reads the answer rather than a reset.
 
-HTTP/1.1 only. Hypercorn would switch a cleartext connection to HTTP/2 (the ``PRI`` preface,
-or ``Upgrade: h2c``), where its flow-control waits have no deadline: a client with a zero
-window would hold the connection, and its slot of ``max_connections``, for ever. Here an
-``Upgrade: h2c`` is ignored (the request is answered in HTTP/1.1, as RFC 9110 7.8 allows) and
-the HTTP/2 preface is answered with a GOAWAY (HTTP_1_1_REQUIRED) and the connection closed.
+HTTP/1.1 only: HTTP/2 is refused (``http2``).
 
 A client that closes its sending side after its request (a half-close: ``nc -N``, some
 proxies) still gets its answer: the end of its input does not end a request in progress,
-unless a probe shows the client is gone. Only a write tells a client that is gone from one that
-only stopped sending: ``on_peer_closed`` tells the response in progress, a streamed one writes
-a ping at once (and then every ``PROBE_INTERVAL``), and a client that is gone answers it with a
-reset, which ends the request as a disconnect always did.
+unless a probe shows the client is gone (``peer``): an interim ``100 Continue`` when the
+answer has not begun, a streamed answer's ping (``on_peer_closed``) when it has; a client that
+is gone answers it with a reset, which ends the request as a disconnect always did.
 
 The api reaches a connection only through ``transport.Transport`` (``current_transport``):
 a streamed response asks ``body_writer`` for a function that frames one chunk of its body and
@@ -49,15 +44,13 @@ import select
 import socket
 from collections.abc import Callable
 
-import h2.config
-import h2.connection
-import h2.errors
 import h11
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
+from server.net import http2, peer
 from server.net.transport import ChunkWriter, current_transport
 
 logger = logging.getLogger("llama_trio.net")
@@ -77,28 +70,6 @@ LINGER_IDLE = 0.5
 LINGER_TOTAL = 5.0
 LINGER_BYTES = 8 * 1024 * 1024
 MAX_RECV = 64 * 1024
-# A client that ends its input while its answer is in progress may be gone or only
-# half-closed: a probe written then (a streamed answer's ping) draws a reset from a client that
-# is gone, which is waited for this long (a loopback round trip is microseconds; a farther
-# client that is gone is noticed at a later write instead).
-PROBE_WAIT = 0.005
-
-
-def _http2_refusal() -> bytes:
-    """What a client that opens with HTTP/2's preface gets: our SETTINGS and a GOAWAY with
-    HTTP_1_1_REQUIRED (RFC 9113 7), the protocol's own way to say "use HTTP/1.1"."""
-    h2_connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
-    h2_connection.initiate_connection()
-    message = b"this server speaks HTTP/1.1 only"
-    h2_connection.close_connection(error_code=h2.errors.ErrorCodes.HTTP_1_1_REQUIRED, additional_data=message)
-    return h2_connection.data_to_send()
-
-
-HTTP2_REFUSAL = _http2_refusal()
-
-
-class _HTTP2Refused(Exception):
-    """Raised through Hypercorn's protocol when a client starts HTTP/2 with prior knowledge."""
 
 
 class Connection(TCPServer):
@@ -257,13 +228,13 @@ class Connection(TCPServer):
                 quiet_until = trio.current_time() + LINGER_IDLE
 
     async def _read_data(self) -> None:
-        """Hypercorn's read loop, with three differences: HTTP/2 is refused (see the module's
-        docstring); the end of the client's input does not end a request in progress
-        (half-close); and once the connection is closing, what arrives is not parsed."""
+        """Hypercorn's read loop, with three differences: HTTP/2 is refused (``http2``); the
+        end of the client's input does not end a request in progress unless a probe shows the
+        client is gone (``peer``); and once the connection is closing, what arrives is not
+        parsed."""
         protocol = self.protocol.protocol
         if isinstance(protocol, H11Protocol):
-            # Hypercorn decides on HTTP/2 in this method of its HTTP/1.1 protocol; ours says no.
-            protocol._check_protocol = self._check_protocol  # type: ignore[method-assign]
+            protocol._check_protocol = http2.check_protocol  # type: ignore[method-assign]
         try:
             while not self._closing:
                 try:
@@ -277,35 +248,30 @@ class Connection(TCPServer):
                 await self.protocol.handle(RawData(data))
                 if not data:
                     self._peer_closed = True
-                    if self._on_peer_closed is not None:
-                        self._on_peer_closed()  # a streamed answer writes a probe now
-                    if self._idle_since is None and not await self._reset_after_probe():
+                    if self._idle_since is None and not await self._probe_peer():
                         # A half-close with a request in progress: it is answered, then the
                         # protocol closes the connection (no next request can come).
                         return
                     break
-        except _HTTP2Refused:
-            await self._write(HTTP2_REFUSAL)
+        except http2.HTTP2Refused:
+            await self._write(http2.REFUSAL)
             logger.info("refused an HTTP/2 connection (this server speaks HTTP/1.1 only)")
         await self.protocol.handle(Closed())
 
-    async def _reset_after_probe(self) -> bool:
-        """Whether the client answered a probe written at its end of input with a reset (it
-        is gone, not half-closed), waiting at most ``PROBE_WAIT`` for it."""
+    async def _probe_peer(self) -> bool:
+        """At the client's end of input with a request in progress: write a probe (``peer``)
+        and watch for the reset of a client that is gone. True once it has come (the request
+        then ends as at any disconnect); False when it cannot be told (no plain TCP socket).
+        Otherwise this runs until the connection closes after its answer."""
+        interim = peer.interim_continue(self.protocol.protocol)
+        if interim is not None:
+            self.write_nowait(interim)
+        if self._on_peer_closed is not None:
+            self._on_peer_closed()  # a streamed answer writes a ping now
         if self._socket is None:
             return False
-        deadline = trio.current_time() + PROBE_WAIT
-        while True:
-            if self._socket.fileno() < 0 or self._socket.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                return True
-            if trio.current_time() >= deadline:
-                return False
-            await trio.sleep(PROBE_WAIT / 10)
-
-    async def _check_protocol(self, event: h11.Request) -> None:
-        if event.method == b"PRI" and event.http_version == b"2.0":
-            raise _HTTP2Refused
-        # Anything else, Upgrade: h2c included, is served as the HTTP/1.1 request it is.
+        await peer.wait_for_reset(self._socket)
+        return True
 
     async def _watch_idle(self) -> None:
         while True:

@@ -7,9 +7,11 @@ On the first SIGTERM or SIGINT:
    ``/health`` answers 503 ``draining``; idle keep-alive connections close;
 2. queued jobs end at once with ``server_shutting_down`` (a 503), except streams, whose answer
    has begun (its head and first chunk are out): they wait for a sequence as before;
+   embeddings waiting for the embedder end the same way;
 3. in-flight requests, and those streams, run on until they finish or ``drain_timeout`` passes;
 4. at the deadline, or on a second signal, every remaining job ends with the shutting-down
-   error event and ``[DONE]`` (a 503 when not streamed); connections get a moment to write it;
+   error event and ``[DONE]`` (a 503 when not streamed, embeddings after their decode in
+   progress); connections get a moment to write it;
 5. the engine stops, context and model are freed, and ``serve`` returns.
 
 On SIGHUP, a hot restart (``server/serve/restart.py``): a new copy of the process starts on the
@@ -73,8 +75,8 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     return config
 
 
-class Server:
-    """One serving process: ``await Server(settings).serve()``.
+class Service:
+    """One serving process: ``await Service(settings).serve()``.
 
     ``sock``: a listening socket to serve instead of opening one; ``inherited`` when it was
     handed to this process (see the module's docstring). ``ready_fd``: the pipe on which a hot
@@ -149,7 +151,8 @@ class Server:
                 root.start_soon(self._watch_signals)
                 await root.start(lifespan.handle_lifespan)
                 await lifespan.wait_for_startup()
-                await root.start(self.state.run_engine)
+                await root.start(self.state.run_store)
+                await root.start(self.state.run_models)
                 root.start_soon(self._stop_if_load_fails)
                 logger.info(
                     "listening on http://%s%s",
@@ -180,20 +183,23 @@ class Server:
                         self._refuse_queued()
                     root.start_soon(self._drain_deadline, connections.cancel_scope)
                 root.cancel_scope.cancel()  # the deadline watcher and the signal watcher
-                self.state.stop_engine()
+                self.state.stop_models()
                 await lifespan.wait_for_shutdown()
         finally:
             await listener.aclose()
-            self.state.stop_engine()
+            self.state.stop_models()
         logger.info("stopped")
 
     def _refuse_queued(self) -> None:
-        """No new jobs; queued ones end now with a 503 that a proxy may retry elsewhere, except
-        streams, whose answer has begun: they keep their place and run within the drain."""
-        engine = self.state.engine
-        if engine is not None:
+        """No new jobs or grammar compiles; queued ones end now with a 503 that a proxy may retry
+        elsewhere, except streams, whose answer has begun: they keep their place and run within
+        the drain. Requests waiting for a compile have not begun their answer: they get the 503."""
+        for engine in self.state.engines():
             engine.stop_admitting()
             engine.fail_queued(ShuttingDown("server is shutting down"), keep_streamed=True)
+        self.state.stop_compiles()
+        for embedder in self.state.embedders():
+            embedder.fail_waiting(ShuttingDown("server is shutting down"))
 
     async def _accept(
         self, listener: trio.SocketListener, handler: _Handler, connections: trio.Nursery, limit: trio.Semaphore
@@ -263,9 +269,11 @@ class Server:
         with trio.move_on_after(self.settings.drain_timeout):
             await self._force.wait()
         logger.info("drain deadline reached: ending the remaining requests")
-        engine = self.state.engine
-        if engine is not None:
+        for engine in self.state.engines():
             engine.abort_all(ShuttingDown("server is shutting down"))
+        for embedder in self.state.embedders():
+            embedder.abort_all(ShuttingDown("server is shutting down"))
+            await embedder.idle()  # its decode in progress ends first; then its 503 is written
         deadline = trio.current_time() + FINAL_WRITE_GRACE
         connections.deadline = deadline
         for connection in list(self._connections):
@@ -342,4 +350,4 @@ def _task_tree(task: trio.lowlevel.Task | None, depth: int = 0) -> str:
 
 
 async def serve(settings: Settings) -> None:
-    await Server(settings).serve()
+    await Service(settings).serve()

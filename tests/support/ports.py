@@ -1,6 +1,6 @@
 """Local TCP ports: a free one, whether a plain bind works, what TIME_WAIT sockets hold one.
 
-Used by the tests and by ``bench.server``; standard library only.
+Used by the tests and by the HTTP benchmarks (``bench/support/``); standard library only.
 """
 
 from __future__ import annotations

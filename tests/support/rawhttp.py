@@ -55,6 +55,16 @@ def parse_head(head: bytes) -> tuple[int, dict[str, str]]:
     return status, headers
 
 
+def final_response(raw: bytes) -> bytes:
+    """``raw`` (what a server sent on a connection) from its final response on: the interim
+    1xx responses before it (``HTTP/1.1 100 Continue``, each a head without a body) skipped, as
+    every HTTP/1.1 client does (RFC 9110 15.2). Fails on a truncated interim head."""
+    while raw.startswith(b"HTTP/1.1 1"):
+        head, sep, raw = raw.partition(b"\r\n\r\n")
+        assert sep, f"truncated interim response: {head!r}"
+    return raw
+
+
 def read_head(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """Read a response head from ``sock``: its status, its headers (names in lower case) and
     the bytes already read past it. Fails when the connection closes first."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 DONE = b"data: [DONE]"
+PING_COMMENT = b": ping\n\n"
 ERROR_KEYS = frozenset({"message", "type", "param", "code"})
 CHUNK_OBJECTS = {"chat": "chat.completion.chunk", "completion": "text_completion"}
 
@@ -159,3 +160,25 @@ def finish_reason(payload: Payload) -> str | None:
 def finish_reasons(chunks: Sequence[Payload]) -> list[str]:
     """The finish reasons of the chunks that have one (non-empty), in order."""
     return [reason for chunk in chunks if (reason := finish_reason(chunk))]
+
+
+# -- named events (OpenAI's Responses and Anthropic's Messages streams) --------------------------
+
+
+def named_events(raw: bytes, *, pings: bytes | None = PING_COMMENT) -> list[tuple[str, dict[str, Any]]]:
+    """The events of a complete stream of named events, as (name, data): each event is an
+    ``event: NAME`` line and a ``data: {json}`` line whose ``type`` is NAME, then a blank line.
+    Checks that framing; ``pings`` is what a keep-alive event is (left out of the result), or
+    None when none may come."""
+    assert raw.endswith(b"\n\n"), raw[-300:]
+    out = []
+    for event in raw[:-2].split(b"\n\n"):
+        if pings is not None and event + b"\n\n" == pings:
+            continue
+        lines = event.split(b"\n")
+        assert len(lines) == 2 and lines[0].startswith(b"event: ") and lines[1].startswith(b"data: "), event
+        name = lines[0][7:].decode()
+        payload = _object(lines[1][6:])
+        assert payload["type"] == name, event
+        out.append((name, payload))
+    return out

@@ -1,8 +1,8 @@
 """Restart soak: many restarts under steady load, longer than the tests; counts requests,
 restarts and failures.
 
-    .venv/bin/python -m bench.restart_soak --seconds 180 --interval 4 --clients 4
-    .venv/bin/python -m bench.restart_soak --mode nginx --seconds 180
+    .venv/bin/python -m tests.soak.restart_soak --seconds 180 --interval 4 --clients 4
+    .venv/bin/python -m tests.soak.restart_soak --mode nginx --seconds 180
 
 ``--mode hot`` (the default): one server, restarted with SIGHUP every ``--interval`` seconds.
 Its model is a symlink that each restart re-points, between the default model and a copy with
@@ -14,6 +14,9 @@ restarted in turn with SIGTERM and started again on their ports.
 Clients open a new connection per request and check every answer (``tests/support/load.py``).
 Prints one line per restart and a summary; exits 1 when any request failed, any connection was
 refused, or any restart went otherwise than planned.
+
+A reliability run, not a ratio benchmark: it lives beside the soak test (pytest does not
+collect it) and is built from the tests' own helpers (``tests/support/``).
 """
 
 from __future__ import annotations

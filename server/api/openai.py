@@ -1,0 +1,59 @@
+"""OpenAI's routes: chat completions, completions, embeddings and the model list. Each also
+answers without ``/v1``, for clients whose base URL lacks it.
+
+The completion routes go to ``completions.complete``: ``prepare`` validates the body and makes
+a ``Job``; the answer holds its sequence inside ``async with engine.submit(job)``, and
+Quart-Trio cancels the handler when the client disconnects, which leaves that block and
+releases the sequence.
+"""
+
+from __future__ import annotations
+
+from quart import Blueprint, Response
+
+from server.api import schema
+from server.api.completions import complete
+from server.api.embeddings import embed
+from server.api.respond import current_state, json_response
+
+openai = Blueprint("openai", __name__)
+
+
+@openai.get("/v1/models")
+@openai.get("/models")
+async def models() -> Response:
+    registry = current_state().models
+    cards = []
+    for spec in registry.specs:
+        runtime = registry.runtime(spec.id)
+        status = schema.ModelStatus(value="unloaded")
+        meta = None
+        if runtime is not None:
+            status = schema.ModelStatus(value=runtime.status)  # type: ignore[arg-type]
+            if runtime.status == "loading":
+                status.progress = round(runtime.progress, 3)
+            elif runtime.failed is not None:
+                status.error = str(runtime.failed)
+            if runtime.info is not None and runtime.info.name is not None and runtime.engine is not None:
+                meta = schema.ModelMeta(name=runtime.info.name)
+        aliases = list(spec.aliases) or None
+        cards.append(schema.ModelCard(id=spec.id, created=registry.created, aliases=aliases, status=status, meta=meta))
+    return json_response(schema.ModelList(data=cards).model_dump(exclude_none=True))
+
+
+@openai.post("/v1/chat/completions")
+@openai.post("/chat/completions")
+async def chat_completions() -> Response:
+    return await complete(current_state(), chat=True)
+
+
+@openai.post("/v1/completions")
+@openai.post("/completions")
+async def completions() -> Response:
+    return await complete(current_state(), chat=False)
+
+
+@openai.post("/v1/embeddings")
+@openai.post("/embeddings")
+async def embeddings() -> Response:
+    return await embed(current_state())

@@ -1,0 +1,192 @@
+"""``ResponseStore``: the responses ``/v1/responses`` keeps (``store``), in SQLite.
+
+One connection, owned by one ``ResponseStore`` with an idempotent ``close()``. It is opened
+when the server starts (before its event loop runs); after that every call runs in a worker
+thread (``trio.to_thread``), one at a time. In memory by default; with a file
+(``--responses-db``) stored responses outlive the process, and a hot restart's two processes
+use the file together: WAL journal (a reader never waits for the writer) and a busy timeout
+for the moment both write.
+
+Bounded: each write is followed, in the same transaction, by dropping the oldest responses
+until the total size is within ``max_bytes`` (a response larger than that on its own is not
+kept, and takes nothing with it). The total is kept by triggers in the database itself, so two processes share one
+count. Every row belongs to a tenant (the hash of an API key; "" without keys); reading and
+deleting stay within the tenant, so another key's id reads as absent, never as someone's.
+
+A stored response is its object (what ``GET /v1/responses/{id}`` answers) and its context:
+every input item the model saw (a continued response's history included), so that continuing
+it needs no other row, whatever the bound has dropped since.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+logger = logging.getLogger("llama_trio.store")
+
+MIB = 1024 * 1024
+# How long a write waits for the other process's write (a hot restart) before failing.
+BUSY_TIMEOUT_S = 5.0
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the order of writing: the oldest go first
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    response TEXT NOT NULL,
+    context TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    UNIQUE (tenant, id)
+);
+CREATE TABLE IF NOT EXISTS kept (one INTEGER PRIMARY KEY CHECK (one = 1), bytes INTEGER NOT NULL);
+INSERT OR IGNORE INTO kept VALUES (1, 0);
+CREATE TRIGGER IF NOT EXISTS responses_added AFTER INSERT ON responses
+    BEGIN UPDATE kept SET bytes = bytes + new.size; END;
+CREATE TRIGGER IF NOT EXISTS responses_removed AFTER DELETE ON responses
+    BEGIN UPDATE kept SET bytes = bytes - old.size; END;
+"""
+
+
+class StoreError(OSError):
+    """The store cannot be opened (the message names the file) or is closed."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+@dataclass(frozen=True)
+class Stored:
+    response: dict[str, Any]
+    context: list[dict[str, Any]]
+
+
+class ResponseStore:
+    """Stored responses in SQLite at ``path`` (None: in memory), at most ``max_bytes`` of them.
+
+    Opening reads and writes the file: call it before the event loop runs, or in a thread."""
+
+    def __init__(self, path: str | None, max_bytes: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self._lock = trio.Lock()  # one call at a time on the connection
+        self._closing = threading.Lock()
+        try:
+            self._db: sqlite3.Connection | None = sqlite3.connect(
+                path or ":memory:", timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(0, f"cannot open the responses store {path}: {exc}") from None
+        try:
+            if path is not None:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            self.close()
+            raise StoreError(0, f"cannot open the responses store {path}: {exc}") from None
+
+    def close(self) -> None:
+        """Close the connection (idempotent); later calls raise ``StoreError``."""
+        with self._closing:
+            db, self._db = self._db, None
+        if db is not None:
+            db.close()
+
+    async def aclose(self) -> None:
+        """``close`` once no call is running, in a worker thread.
+
+        *Cancellation*: shielded; the close is never abandoned."""
+        with trio.CancelScope(shield=True):
+            async with self._lock:
+                await trio.to_thread.run_sync(self.close)
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``fn(connection)`` in a worker thread, one call at a time.
+
+        *Cancellation*: a call in a worker thread is waited for, never abandoned."""
+        async with self._lock:
+            db = self._db
+            if db is None:
+                raise StoreError(0, "the responses store is closed")
+            return await trio.to_thread.run_sync(fn, db)
+
+    async def put(self, tenant: str, id_: str, response: dict[str, Any], context: list[dict[str, Any]]) -> bool:
+        """Keep a response (its object and its context) for ``tenant``; the oldest responses go
+        until the store is within its bound. False: it is larger than the bound on its own, and
+        is not kept (nothing else goes)."""
+
+        def put(db: sqlite3.Connection) -> bool:
+            response_text = json.dumps(response, ensure_ascii=False)
+            context_text = json.dumps(context, ensure_ascii=False)
+            size = len(response_text.encode()) + len(context_text.encode())
+            if size > self.max_bytes:
+                logger.warning("response %s not stored: %d bytes, more than --responses-max-mb", id_, size)
+                return False
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(
+                    "INSERT INTO responses (tenant, id, response, context, size) VALUES (?, ?, ?, ?, ?)",
+                    (tenant, id_, response_text, context_text, size),
+                )
+                dropped = _trim(db, self.max_bytes)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            if dropped:
+                logger.debug("responses store: %d oldest dropped to stay within %d bytes", dropped, self.max_bytes)
+            return True
+
+        return await self._run(put)
+
+    async def get(self, tenant: str, id_: str) -> Stored | None:
+        """``tenant``'s response ``id_``, or None (never stored, dropped, deleted, or another's)."""
+
+        def get(db: sqlite3.Connection) -> Stored | None:
+            row = db.execute(
+                "SELECT response, context FROM responses WHERE tenant = ? AND id = ?", (tenant, id_)
+            ).fetchone()
+            return None if row is None else Stored(json.loads(row[0]), json.loads(row[1]))
+
+        return await self._run(get)
+
+    async def delete(self, tenant: str, id_: str) -> bool:
+        """Forget ``tenant``'s response ``id_``; whether there was one."""
+
+        def delete(db: sqlite3.Connection) -> bool:
+            return db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, id_)).rowcount > 0
+
+        return await self._run(delete)
+
+    async def usage(self) -> tuple[int, int]:
+        """(responses kept, their bytes)."""
+
+        def usage(db: sqlite3.Connection) -> tuple[int, int]:
+            count = db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+            return int(count), int(db.execute("SELECT bytes FROM kept").fetchone()[0])
+
+        return await self._run(usage)
+
+
+def _trim(db: sqlite3.Connection, max_bytes: int) -> int:
+    """Drop the oldest rows until the total is within ``max_bytes``; how many went."""
+    dropped = 0
+    total = db.execute("SELECT bytes FROM kept").fetchone()[0]
+    while total > max_bytes:
+        row = db.execute("SELECT seq, size FROM responses ORDER BY seq LIMIT 1").fetchone()
+        if row is None:
+            break
+        db.execute("DELETE FROM responses WHERE seq = ?", (row[0],))
+        total -= row[1]
+        dropped += 1
+    return dropped

@@ -1,0 +1,110 @@
+"""Pure parts of serving many models: which models the command line, a folder and a presets
+file name (``server/models/specs.py``), and which models to unload (``policy.py``)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from server.models.policy import Resident, idle_expired, make_room
+from server.models.specs import ModelSpecError, is_multi_model, model_specs
+from server.settings import parse_settings
+
+
+def touch(path: pathlib.Path, size: int = 10) -> pathlib.Path:
+    path.write_bytes(b"\0" * size)
+    return path
+
+
+def test_the_single_model_command_line_is_unchanged(tmp_path: pathlib.Path) -> None:
+    model = touch(tmp_path / "m.gguf")
+    settings = parse_settings(["--model", str(model), "--alias", "mine"], env={})
+    assert not is_multi_model(settings)
+    [spec] = model_specs(settings)
+    assert (spec.id, spec.path, spec.load_on_start) == ("mine", str(model), True)
+
+
+def test_folder_list_and_presets(tmp_path: pathlib.Path) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    touch(folder / "alpha.gguf", 100)
+    for i in (1, 2, 3):
+        touch(folder / f"big-{i:05d}-of-00003.gguf", 7)
+    touch(folder / "notes.txt")
+    extra = touch(tmp_path / "x.gguf")
+    preset = tmp_path / "p.toml"
+    preset.write_text(
+        '[alpha]\naliases = ["a", "first"]\nctx_size = 1024\nload_on_start = true\n'
+        f'[gamma]\nmodel = "{extra}"\nembeddings = true\n'
+    )
+    argv = ["--models-dir", str(folder), "--model", f"ex={extra}", "--models-preset", str(preset), "--parallel", "3"]
+    specs = {s.id: s for s in model_specs(parse_settings(argv, env={}))}
+    assert list(specs) == ["ex", "alpha", "big", "gamma"]
+    assert specs["alpha"].aliases == ("a", "first") and specs["alpha"].load_on_start
+    assert specs["alpha"].settings.ctx_size == 1024 and specs["alpha"].settings.parallel == 3
+    assert specs["big"].path.endswith("big-00001-of-00003.gguf") and specs["big"].file_bytes() == 21
+    assert specs["gamma"].settings.embeddings and not specs["ex"].settings.embeddings
+
+
+def test_ini_presets_are_typed(tmp_path: pathlib.Path) -> None:
+    model = touch(tmp_path / "m.gguf")
+    preset = tmp_path / "p.ini"
+    preset.write_text(f"[m]\nmodel = {model}\nparallel = 2\nembeddings = yes\naliases = x, y\n")
+    [spec] = model_specs(parse_settings(["--models-preset", str(preset)], env={}))
+    assert spec.settings.parallel == 2 and spec.settings.embeddings and spec.aliases == ("x", "y")
+
+
+@pytest.mark.parametrize(
+    ("preset", "says"),
+    [
+        ("[m]\nparallel = many\n", "not a int"),
+        ("[m]\nbogus = 1\n", "unknown keys bogus"),
+        ("[m]\nport = 1\n", "unknown keys port"),
+        ("[n]\nctx_size = 5\n", "no file"),
+        ("[m]\naliases = other\n[other]\nmodel = {model}\n", "used by both"),
+    ],
+)
+def test_bad_presets_say_why(tmp_path: pathlib.Path, preset: str, says: str) -> None:
+    model = touch(tmp_path / "m.gguf")
+    file = tmp_path / "p.ini"
+    file.write_text(preset.format(model=model))
+    with pytest.raises(ModelSpecError, match=says):
+        model_specs(parse_settings(["--model", f"m={model}", "--models-preset", str(file)], env={}))
+
+
+def test_duplicate_ids_and_an_empty_folder(tmp_path: pathlib.Path) -> None:
+    model = touch(tmp_path / "m.gguf")
+    with pytest.raises(ModelSpecError, match="given twice"):
+        model_specs(parse_settings(["--model", f"a={model}", "--model", f"a={model}"], env={}))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelSpecError, match="no models"):
+        model_specs(parse_settings(["--models-dir", str(empty)], env={}))
+
+
+def r(id_: str, busy: bool = False, used: float = 0.0, size: int = 10) -> Resident:
+    return Resident(id_, busy, used, size)
+
+
+def test_make_room_takes_the_least_recently_used_idle_models() -> None:
+    loaded = [r("a", used=3), r("b", used=1), r("c", used=2)]
+    assert make_room(loaded, 10, max_models=None, max_bytes=None) == []
+    assert make_room(loaded, 10, max_models=4, max_bytes=None) == []
+    assert make_room(loaded, 10, max_models=3, max_bytes=None) == ["b"]
+    assert make_room(loaded, 10, max_models=2, max_bytes=None) == ["b", "c"]
+    assert make_room(loaded, 25, max_models=None, max_bytes=40) == ["b", "c"]
+
+
+def test_make_room_never_takes_a_busy_model() -> None:
+    loaded = [r("a", busy=True, used=0), r("b", used=5)]
+    assert make_room(loaded, 10, max_models=2, max_bytes=None) == ["b"]
+    assert make_room(loaded, 10, max_models=1, max_bytes=None) is None
+    assert make_room([r("a", busy=True)], 10, max_models=None, max_bytes=15) is None
+    assert make_room([], 100, max_models=1, max_bytes=50) is None  # it can never fit
+
+
+def test_idle_expired() -> None:
+    loaded = [r("a", used=0), r("b", used=9), r("c", busy=True, used=0)]
+    assert idle_expired(loaded, now=10, sleep_after=5) == ["a"]
+    assert idle_expired(loaded, now=10, sleep_after=None) == []

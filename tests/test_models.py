@@ -1,0 +1,250 @@
+"""Many models behind one server (``server/models/``): ids and aliases, load on demand,
+``--models-max`` (never unloading a busy model), the wait queue's bound, idle unload, the
+operators' load/unload routes, per-model metrics, and SIGTERM and disconnects during loads.
+
+The extra models are small random-weight llamas with the default model's tokenizer
+(``bench/random_model.py``): their text is noise, so the tests assert shapes, orders and
+effects, and compare greedy answers only with other runs on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import threading
+import time
+
+import httpx
+import pytest
+
+from bench.random_model import SHAPES, write_model
+from tests.support.process import ServerProcess, serving
+from tests.support.waiting import wait_for
+
+BASE = ["--parallel", "2", "--ctx-size", "4096", "--threads", "1", "--cache-ram", "0"]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory, model_path: pathlib.Path) -> pathlib.Path:
+    folder = tmp_path_factory.mktemp("models")
+    write_model(model_path, folder / "tiny-a.gguf", SHAPES["tiny"], seed=1)
+    write_model(model_path, folder / "tiny-b.gguf", SHAPES["tiny"], seed=2)
+    return folder
+
+
+def chat(url: str, model: str, max_tokens: int = 8, **extra: object) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": max_tokens}
+    return httpx.post(url + "/v1/chat/completions", json={"temperature": 0, **body, **extra}, timeout=120)
+
+
+def statuses(proc: ServerProcess) -> dict[str, str]:
+    data = httpx.get(proc.url + "/v1/models", timeout=10).json()["data"]
+    return {card["id"]: card["status"]["value"] for card in data}
+
+
+def gauge(proc: ServerProcess, name: str, model: str) -> float:
+    return proc.metrics().get(f"llama_trio_model_{name}{{model={model}}}", -1.0)
+
+
+def rss_kib(proc: ServerProcess) -> int:
+    for line in pathlib.Path(f"/proc/{proc.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_each_model_by_id_and_alias_loaded_on_demand(models_dir: pathlib.Path, model_path: pathlib.Path) -> None:
+    preset = models_dir / "presets.ini"
+    preset.write_text("[tiny-a]\naliases = first, primo\nctx_size = 512\n")
+    args = [*BASE, "--models-dir", str(models_dir), "--model", f"smol={model_path}", "--models-preset", str(preset)]
+    with serving(args) as proc:
+        assert statuses(proc) == {"smol": "unloaded", "tiny-a": "unloaded", "tiny-b": "unloaded"}
+        cards = {c["id"]: c for c in httpx.get(proc.url + "/v1/models").json()["data"]}
+        assert cards["tiny-a"]["aliases"] == ["first", "primo"]
+        seen: set[str] = set()
+        polling = threading.Event()
+
+        def poll() -> None:
+            while not polling.is_set():
+                seen.add(statuses(proc)["tiny-b"])
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            for name in ("smol", "primo", "tiny-b"):
+                answer = chat(proc.url, name)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["model"] == ("tiny-a" if name == "primo" else name)
+        finally:
+            polling.set()
+            poller.join()
+        assert statuses(proc) == {"smol": "loaded", "tiny-a": "loaded", "tiny-b": "loaded"}
+        assert {"unloaded", "loaded"} <= seen, seen  # loading, too, when the poll catches it
+        missing = chat(proc.url, "nope")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+        assert missing.json()["error"]["param"] == "model"
+        for name in ("smol", "tiny-a", "tiny-b"):
+            assert gauge(proc, "loaded", name) == 1
+            assert gauge(proc, "requests_running", name) == 0
+            assert 0 < gauge(proc, "kv_cache_usage_ratio", name) <= 1
+
+
+def test_a_load_does_not_disturb_another_models_stream(models_dir: pathlib.Path, model_path: pathlib.Path) -> None:
+    args = [*BASE, "--models-dir", str(models_dir), "--model", f"smol={model_path}"]
+    with serving(args) as proc:
+        # Each request in a cache scope of its own: both are computed from scratch.
+        alone = chat(proc.url, "smol", max_tokens=48, cache_salt="1").json()["choices"][0]["message"]["content"]
+        body = {
+            "cache_salt": "2",
+            "model": "smol",
+            "messages": [{"role": "user", "content": "Say something."}],
+            "max_tokens": 48,
+            "temperature": 0,
+            "stream": True,
+        }
+        pieces: list[str] = []
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=120) as stream:
+            lines = stream.iter_lines()
+            for line in lines:
+                if line.startswith("data: {") and '"content":"' in line:
+                    break
+            loaded = chat(proc.url, "tiny-a")  # loads tiny-a while smol streams
+            assert loaded.status_code == 200
+            text = [line for line in lines if line.startswith("data: ")]
+        for line in text:
+            if line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                pieces.append(delta.get("content") or "")
+        # The stream's first content piece was read before the load; compare the rest as a suffix.
+        assert alone.endswith("".join(pieces))
+        assert statuses(proc)["tiny-a"] == "loaded"
+
+
+def test_models_max_waits_for_a_busy_model_then_unloads_it(models_dir: pathlib.Path) -> None:
+    args = [*BASE, "--models-dir", str(models_dir), "--models-max", "1", "--max-queue", "1"]
+    with serving(args) as proc:
+        assert chat(proc.url, "tiny-a").status_code == 200
+        body = {"model": "tiny-a", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 1500}
+        a_ended: list[float] = []
+        b_answer: list[httpx.Response] = []
+
+        def stream_a() -> None:
+            with httpx.stream(
+                "POST", proc.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120
+            ) as stream:
+                for _ in stream.iter_lines():
+                    pass
+            a_ended.append(time.monotonic())
+
+        def ask_b() -> None:
+            b_answer.append(chat(proc.url, "tiny-b"))
+
+        a = threading.Thread(target=stream_a)
+        a.start()
+        wait_for(lambda: gauge(proc, "requests_running", "tiny-a") == 1, "tiny-a to stream", 30)
+        b = threading.Thread(target=ask_b)
+        b.start()
+        wait_for(lambda: gauge(proc, "requests_waiting", "tiny-b") == 1, "tiny-b's request to wait", 30)
+        assert statuses(proc)["tiny-a"] == "loaded"  # busy: never unloaded from under its stream
+        third = chat(proc.url, "tiny-b")  # the queue for room (--max-queue 1) is full
+        assert third.status_code == 503, third.text
+        assert third.json()["error"]["code"] == "models_busy"
+        assert third.headers["Retry-After"] == "1"
+        a.join(120)
+        b.join(120)
+        assert b_answer[0].status_code == 200, b_answer[0].text
+        assert a_ended, "tiny-a's stream did not end"
+        assert statuses(proc) == {"tiny-a": "unloaded", "tiny-b": "loaded"}
+
+
+def test_a_disconnect_while_waiting_for_a_model_cancels_the_wait(models_dir: pathlib.Path) -> None:
+    args = [*BASE, "--models-dir", str(models_dir), "--models-max", "1"]
+    with serving(args) as proc:
+        # A reader that stops reading keeps its stream busy (paused, not finished).
+        body = {"model": "tiny-a", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 1800}
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as a:
+            lines = a.iter_lines()
+            next(lines)
+            waiter = threading.Thread(target=lambda: _abandoned(proc.url, "tiny-b"))
+            waiter.start()
+            wait_for(lambda: gauge(proc, "requests_waiting", "tiny-b") == 1, "tiny-b's request to wait", 30)
+            waiter.join(30)  # it gave up after 0.5 s
+            wait_for(lambda: gauge(proc, "requests_waiting", "tiny-b") == 0, "the wait to end", 30)
+            for _ in lines:
+                pass
+        time.sleep(0.5)
+        assert statuses(proc) == {"tiny-a": "loaded", "tiny-b": "unloaded"}  # nobody wants it now
+
+
+def _abandoned(url: str, model: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+
+
+def test_idle_unload_frees_memory_and_loads_again(models_dir: pathlib.Path, model_path: pathlib.Path) -> None:
+    args = [*BASE, "--model", f"smol={model_path}", "--model", f"tiny={models_dir / 'tiny-a.gguf'}"]
+    with serving([*args, "--sleep-idle-seconds", "2"]) as proc:
+        before = rss_kib(proc)
+        assert chat(proc.url, "smol").status_code == 200
+        loaded = rss_kib(proc)
+        wait_for(lambda: statuses(proc)["smol"] == "unloaded", "smol to be unloaded when idle", 30)
+        after = rss_kib(proc)
+        assert loaded - after > (loaded - before) / 2, (before, loaded, after)
+        assert chat(proc.url, "smol").status_code == 200  # loaded again on demand
+        assert statuses(proc)["smol"] == "loaded"
+
+
+def test_load_and_unload_routes(models_dir: pathlib.Path) -> None:
+    args = [*BASE, "--models-dir", str(models_dir), "--api-key", "k"]
+    key = {"Authorization": "Bearer k"}
+    with serving(args) as proc:
+        assert httpx.post(proc.url + "/models/load", json={"model": "tiny-a"}).status_code == 401
+        loaded = httpx.post(proc.url + "/models/load", json={"model": "tiny-a"}, headers=key, timeout=60)
+        assert loaded.status_code == 200 and loaded.json() == {"model": "tiny-a", "status": "loaded"}
+        bad = httpx.post(proc.url + "/models/load", json={"model": "tiny-a", "x": 1}, headers=key)
+        assert bad.status_code == 400
+        missing = httpx.post(proc.url + "/models/unload", json={"model": "zzz"}, headers=key)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        body = {"model": "tiny-a", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 300}
+        with httpx.stream(
+            "POST", proc.url + "/v1/chat/completions", json={**body, "stream": True}, headers=key, timeout=120
+        ) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            busy = httpx.post(proc.url + "/models/unload", json={"model": "tiny-a"}, headers=key)
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_busy"
+            ended = [line for line in lines if line == "data: [DONE]"]
+        assert ended == ["data: [DONE]"]  # the stream ran to its end
+        done = httpx.post(proc.url + "/models/unload", json={"model": "tiny-a"}, headers=key)
+        assert done.status_code == 200
+        wait_for(
+            lambda: httpx.get(proc.url + "/v1/models", headers=key).json()["data"][0]["status"]["value"] == "unloaded",
+            "tiny-a to be unloaded",
+            30,
+        )
+
+
+def test_sigterm_during_loads_exits_cleanly(models_dir: pathlib.Path) -> None:
+    with ServerProcess([*BASE, "--models-dir", str(models_dir)]) as proc:
+        proc.wait_ready()
+        results: list[int] = []
+        threads = [
+            threading.Thread(target=lambda m=m: results.append(_status_or_0(proc.url, m))) for m in ("tiny-a", "tiny-b")
+        ]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: "tiny-" in proc.log, "a load to start", 30)
+        assert proc.stop() == 0
+        for thread in threads:
+            thread.join(30)
+        assert set(results) <= {0, 200, 503}, results
+    assert "Traceback" not in proc.log, proc.log[-3000:]
+
+
+def _status_or_0(url: str, model: str) -> int:
+    try:
+        return chat(url, model).status_code
+    except httpx.TransportError:
+        return 0
