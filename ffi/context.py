@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ffi._lib import ffi, lib
 from ffi.errors import ClosedError, ContextError, check_decode
 from ffi.model import Model
+
+if TYPE_CHECKING:
+    from ffi.sampler import TokenMask
 
 
 class Batch:
@@ -228,17 +231,23 @@ class Context:
 
     # -- KV memory, per sequence -------------------------------------------------------------
 
-    def logprobs(self, index: int, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    def logprobs(
+        self, index: int, token: int, k: int, mask: TokenMask | None = None
+    ) -> tuple[float, list[tuple[int, float]]]:
         """Log-probabilities at batch ``index`` of the last decode, from its logits row as it is
         now (a grammar's mask applied there counts): that of ``token``, and the ``k`` (at most
-        20) most likely tokens with theirs, most likely first."""
+        20) most likely tokens with theirs, most likely first. ``mask`` (a ``TokenMask``), when
+        given, is applied to the row first, as ``Sampler.sample`` applies it."""
         logits = lib.llama_get_logits_ith(self.ptr, index)
         if logits == ffi.NULL:
             raise IndexError(f"no logits at batch index {index}")
+        n_vocab = self.model.vocab.n_tokens
+        if mask is not None:
+            lib.llama_trio_apply_mask(logits, n_vocab, mask.words)
         k = max(0, min(k, 20))
         tokens = ffi.new("int32_t[]", max(k, 1))
         values = ffi.new("float[]", max(k, 1))
-        chosen = lib.llama_trio_logprobs(logits, self.model.vocab.n_tokens, token, k, tokens, values)
+        chosen = lib.llama_trio_logprobs(logits, n_vocab, token, k, tokens, values)
         return float(chosen), [(int(tokens[j]), float(values[j])) for j in range(k)]
 
     def _memory(self) -> Any:

@@ -73,6 +73,11 @@ class _EngineCollector(Collector):
             "llama_trio_constrained_tokens", "tokens sampled under a grammar", value=stats.constrained_tokens
         )
         yield CounterMetricFamily(
+            "llama_trio_forced_tokens",
+            "tokens a grammar forced, decoded without sampling (fast-forward)",
+            value=stats.forced_tokens,
+        )
+        yield CounterMetricFamily(
             "llama_trio_constraint_seconds",
             "seconds spent on grammar masks and grammar steps (decode thread)",
             value=stats.constraint_seconds,

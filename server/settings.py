@@ -58,6 +58,7 @@ class Settings:
     api_key_file: str | None = None
     max_queue: int = 64
     cache_ram: int = 2048  # MiB
+    no_fast_forward: bool = False
     responses_db: str | None = None  # None: stored responses in memory
     responses_max_mb: float = 64.0
     max_tokens: int | None = None  # ceiling on any request's max_tokens
@@ -129,6 +130,9 @@ _HELP = {
     "max_queue": "requests waiting for a free sequence or a grammar compile before 503",
     "cache_ram": (
         "MiB of host RAM for prompt prefixes evicted from the sequences, restored when a prompt extends one (0: off)"
+    ),
+    "no_fast_forward": (
+        "sample every token a grammar forces one decode step at a time, instead of decoding the forced run at once"
     ),
     "responses_db": (
         "SQLite file for stored responses (/v1/responses), kept across restarts and shared with a hot "

@@ -10,10 +10,13 @@ from hypothesis import strategies as st
 
 from server.engine.scheduler import (
     PlanEntry,
+    RunVerdict,
     SlotChoice,
     StopMatcher,
     Verdict,
     common_prefix,
+    forced_room,
+    judge_run,
     judge_token,
     pick_slot,
     plan_step,
@@ -109,7 +112,7 @@ def test_pick_slot_invariants(cached: list[list[int]], prompt: list[int], saved:
 
 
 def test_plan_puts_decoders_first_then_chunks_in_order() -> None:
-    plan = plan_step([0, 2], [(1, 100), (3, 10)], budget=64)
+    plan = plan_step([(0, 1), (2, 1)], [(1, 100), (3, 10)], budget=64)
     assert plan == [PlanEntry(0, 1, False), PlanEntry(2, 1, False), PlanEntry(1, 62, True)]
     plan = plan_step([], [(1, 10), (3, 10)], budget=64)
     assert plan == [PlanEntry(1, 10, True), PlanEntry(3, 10, True)]
@@ -117,7 +120,25 @@ def test_plan_puts_decoders_first_then_chunks_in_order() -> None:
 
 def test_plan_respects_budget_and_empty() -> None:
     assert plan_step([], [], 64) == []
-    assert len(plan_step(list(range(10)), [(11, 5)], 4)) == 4
+    assert len(plan_step([(i, 1) for i in range(10)], [(11, 5)], 4)) == 4
+
+
+def test_plan_takes_forced_runs_whole_and_chunks_get_the_rest() -> None:
+    plan = plan_step([(0, 7), (1, 1), (2, 3)], [(3, 100)], budget=16)
+    assert plan == [PlanEntry(0, 7, False), PlanEntry(1, 1, False), PlanEntry(2, 3, False), PlanEntry(3, 5, True)]
+    # A run that does not fit is never split: it waits for the next step; smaller ones go on.
+    plan = plan_step([(0, 10), (1, 10), (2, 1)], [(3, 100)], budget=16)
+    assert plan == [PlanEntry(0, 10, False), PlanEntry(2, 1, False), PlanEntry(3, 5, True)]
+
+
+def test_forced_room_is_bounded_by_the_step_the_context_and_max_tokens() -> None:
+    room = {"max_run": 127, "position": 10, "n_ctx_seq": 512, "n_generated": 1, "max_tokens": None}
+    assert forced_room(**room) == 127  # type: ignore[arg-type]
+    assert forced_room(**{**room, "position": 500}) == 11  # type: ignore[arg-type]  # last cell: position 511
+    assert forced_room(**{**room, "position": 511}) == 0  # type: ignore[arg-type]
+    assert forced_room(**{**room, "max_tokens": 5, "n_generated": 2}) == 3  # type: ignore[arg-type]
+    assert forced_room(**{**room, "max_tokens": 5, "n_generated": 5}) == 0  # type: ignore[arg-type]
+    assert forced_room(**{**room, "max_run": 0}) == 0  # type: ignore[arg-type]  # fast-forward off
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -221,3 +242,85 @@ def test_release_held_can_complete_a_stop_string() -> None:
     # The detokenizer's last bytes complete the stop string: cut there, nothing after it.
     assert release_held(stops, "s> more") == ""
     assert release_held(StopMatcher([]), "tail") == "tail"
+
+
+# -- a run of tokens (a sampled one and those a grammar forced after it) ------------------------
+
+EOG = frozenset({0})
+TEXTS = {1: '{"', 2: "name", 3: '":', 4: ' "', 5: "Bob", 6: '"}', 0: "<eog>"}
+
+
+def run(
+    tokens: list[int], *, stops: StopMatcher | None = None, **kw: int | bool | None
+) -> tuple[RunVerdict, list[int]]:
+    limits: dict[str, int | bool | None] = {"n_generated": 0, "max_tokens": None, "n_past": 10, "n_ctx_seq": 512}
+    limits.update(kw)
+    fed: list[int] = []
+
+    def text_of(token: int) -> str:
+        fed.append(token)
+        return TEXTS[token]
+
+    verdict = judge_run(stops or StopMatcher([]), tokens, text_of, eog=EOG, **limits)  # type: ignore[arg-type]
+    return verdict, fed
+
+
+def test_judge_run_takes_a_whole_run_that_finishes_nothing() -> None:
+    assert run([1, 2, 3, 4]) == (RunVerdict(4, '{"name": "', None, False), [1, 2, 3, 4])
+    assert run([5]) == (RunVerdict(1, "Bob", None, False), [5])
+
+
+def test_a_stop_string_inside_a_run_ends_it_there() -> None:
+    verdict, fed = run([1, 2, 3, 4, 5], stops=StopMatcher(["me"]))
+    assert verdict == RunVerdict(2, '{"na', "stop", False)
+    assert fed == [1, 2]  # nothing after the finishing token is detokenized
+
+
+def test_max_tokens_inside_a_run_cuts_it_at_exactly_the_limit() -> None:
+    verdict, fed = run([1, 2, 3, 4], n_generated=5, max_tokens=7)
+    assert verdict == RunVerdict(2, '{"name', "length", True) and fed == [1, 2]
+    # The context's end too: the token at the last cell is the last one kept.
+    assert run([1, 2, 3, 4], n_past=510, n_ctx_seq=512)[0] == RunVerdict(3, '{"name":', "length", True)
+
+
+def test_the_grammar_ends_only_with_the_last_token_of_a_run() -> None:
+    assert run([4, 5, 6], grammar_done=True)[0] == RunVerdict(3, ' "Bob"}', "stop", True)
+    # ...and a limit reached at that same token still reads as the grammar's end.
+    assert run([4, 5, 6], grammar_done=True, n_generated=7, max_tokens=10)[0].finish == "stop"
+
+
+def test_an_end_token_ends_a_run_without_text() -> None:
+    assert run([5, 0, 6]) == (RunVerdict(2, "Bob", "stop", True), [5])
+
+
+@given(
+    st.lists(st.sampled_from(sorted(TEXTS)), min_size=1, max_size=12),
+    st.lists(st.sampled_from(["me", '"B', "ob", "}", "zz", '": "']), max_size=2),
+    st.integers(0, 6),
+    st.one_of(st.none(), st.integers(1, 14)),
+    st.integers(495, 511),
+    st.booleans(),
+)
+def test_judge_run_equals_judging_token_by_token(
+    tokens: list[int], stops: list[str], n_generated: int, max_tokens: int | None, n_past: int, grammar_done: bool
+) -> None:
+    limits = {"max_tokens": max_tokens, "n_ctx_seq": 512}
+    verdict, _ = run(
+        tokens, stops=StopMatcher(stops), n_generated=n_generated, n_past=n_past, grammar_done=grammar_done, **limits
+    )
+    matcher, texts = StopMatcher(stops), []
+    for i, token in enumerate(tokens):
+        one = judge_token(
+            matcher,
+            "" if token in EOG else TEXTS[token],
+            end_of_generation=token in EOG,
+            n_generated=n_generated + i + 1,
+            n_past=n_past + i,
+            grammar_done=grammar_done and i == len(tokens) - 1,
+            **limits,  # type: ignore[arg-type]
+        )
+        texts.append(one.text)
+        if one.finish is not None:
+            assert verdict == RunVerdict(i + 1, "".join(texts), one.finish, one.release_held)
+            return
+    assert verdict == RunVerdict(len(tokens), "".join(texts), None, False)

@@ -151,14 +151,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 def chat(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
-    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=120)
+    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=300)
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def stream_chat(server: ServerProcess, body: dict[str, Any]) -> sse.Stream:
     payload = {"messages": ASK, "stream": True, **body}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=payload, timeout=120) as response:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=payload, timeout=300) as response:
         assert response.status_code == 200
         return sse.parse(response.read(), kind="chat")
 
@@ -178,9 +178,11 @@ def test_every_answer_follows_its_schema(server: ServerProcess, name: str) -> No
     assert streamed.finish_reasons == ["stop"]
     assert streamed.text == whole["message"]["content"]
     for seed in (1, 2):
-        sampled = chat(server, {**body, "temperature": 1.0, "seed": seed})["choices"][0]
-        assert sampled["finish_reason"] == "stop"
-        jsonschema.validate(json.loads(sampled["message"]["content"]), schema)
+        # A sample may run to max_tokens (a number's digits are unbounded): then it is cut.
+        sampled = chat(server, {**body, "temperature": 1.0, "seed": seed, "max_tokens": 80})["choices"][0]
+        assert sampled["finish_reason"] in {"stop", "length"}
+        if sampled["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(sampled["message"]["content"]), schema)
 
 
 def test_json_object_completion_and_llama_server_fields(server: ServerProcess) -> None:
@@ -369,6 +371,86 @@ def test_bad_grammars_are_400s_naming_the_field(
     assert error["param"] == param and error["code"] == "invalid_value"
     assert needle in error["message"]
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+# -- forced runs (fast-forward) and schemas that leave additionalProperties out ------------------
+
+# Nearly all forced: only the first token, the boolean and the closing brace are chosen.
+CONST = SCHEMAS["const"]
+FORCED_TEXT = '{"kind": "person", "ok": '
+
+
+def counters(server: ServerProcess) -> tuple[float, float]:
+    m = server.metrics()
+    return m["llama_trio_decode_steps_total"], m["llama_trio_forced_tokens_total"]
+
+
+def test_undeclared_properties_are_never_generated(server: ServerProcess) -> None:
+    # As instructor's JSON_SCHEMA mode and `llm --schema` send it: no additionalProperties.
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    }
+    body = {"response_format": response_format(schema), "max_tokens": 200, "temperature": 0}
+    steps, forced = counters(server)
+    whole = chat(server, body)
+    steps, forced = counters(server)[0] - steps, counters(server)[1] - forced
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert set(json.loads(choice["message"]["content"])) == {"name", "age"}
+    # The forced runs (keys, quotes, colons) took no steps of their own.
+    assert forced > 0 and steps < whole["usage"]["completion_tokens"]
+    streamed = stream_chat(server, body)
+    assert streamed.finish_reasons == ["stop"] and streamed.text == choice["message"]["content"]
+    # By construction, whatever is sampled: two bounded values, then the object must close.
+    sampled = chat(server, {**body, "temperature": 1.0, "seed": 5})["choices"][0]
+    assert sampled["finish_reason"] == "stop"
+    assert set(json.loads(sampled["message"]["content"])) == {"name", "age"}
+
+
+def test_a_stop_string_inside_a_forced_run_ends_the_answer_there(server: ServerProcess) -> None:
+    body = {"response_format": response_format(CONST), "max_tokens": 50, "temperature": 0, "stop": ["person"]}
+    whole = chat(server, body)["choices"][0]
+    assert (whole["message"]["content"], whole["finish_reason"]) == ('{"kind": "', "stop")
+    streamed = stream_chat(server, body)
+    assert (streamed.text, streamed.finish_reasons) == ('{"kind": "', ["stop"])
+
+
+@pytest.mark.parametrize("limit", [2, 3, 5])
+def test_max_tokens_inside_a_forced_run_gives_length_with_that_many_tokens(server: ServerProcess, limit: int) -> None:
+    body = {"response_format": response_format(CONST), "max_tokens": limit, "temperature": 0}
+    whole = chat(server, body)
+    content = whole["choices"][0]["message"]["content"]
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == limit
+    assert FORCED_TEXT.startswith(content) and content
+    streamed = stream_chat(server, {**body, "stream_options": {"include_usage": True}})
+    assert streamed.finish_reasons == ["length"] and streamed.text == content
+    assert streamed.chunks[-1]["usage"]["completion_tokens"] == limit
+
+
+def test_logprobs_cover_forced_tokens_streamed_and_not(server: ServerProcess) -> None:
+    body = {"response_format": response_format(CONST), "max_tokens": 50, "temperature": 0}
+    body.update(logprobs=True, top_logprobs=2)
+    whole = chat(server, body)
+    choice = whole["choices"][0]
+    entries = choice["logprobs"]["content"]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"].startswith(FORCED_TEXT)
+    assert len(entries) == whole["usage"]["completion_tokens"]
+    assert "".join(entry["token"] for entry in entries) == choice["message"]["content"]
+    assert all(-9999 < entry["logprob"] <= 0 for entry in entries)
+    streamed = stream_chat(server, body)
+    tokens = [(e["token"], e["logprob"]) for c in streamed.chunks if c["choices"] for e in chunk_logprobs(c)]
+    assert tokens == [(entry["token"], entry["logprob"]) for entry in entries]
+
+
+def chunk_logprobs(chunk: dict[str, Any]) -> list[dict[str, Any]]:
+    logprobs = chunk["choices"][0].get("logprobs")
+    return (logprobs or {}).get("content") or []
 
 
 # -- bounds: what once crashed the server is a 400, what is just within them works -----------------

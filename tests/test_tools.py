@@ -296,6 +296,18 @@ def test_round_trip_with_the_tool_result(sdk: openai.OpenAI) -> None:
     assert final.message.content and not final.message.tool_calls
 
 
+def test_a_call_is_written_in_forced_runs(server: ServerProcess) -> None:
+    # `{"tool_calls": [{"name": "add", "arguments": {"a": ` is forced: no step of its own.
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    before = server.metrics()
+    answer = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 60}, timeout=120).json()
+    after = server.metrics()
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    steps = after["llama_trio_decode_steps_total"] - before["llama_trio_decode_steps_total"]
+    forced = after["llama_trio_forced_tokens_total"] - before["llama_trio_forced_tokens_total"]
+    assert forced >= 10 and steps <= answer["usage"]["completion_tokens"] - forced
+
+
 def test_cancelling_mid_call_frees_everything(server: ServerProcess) -> None:
     body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "stream": True, "max_tokens": 60}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -65,6 +66,28 @@ def test_native_calls_are_parsed_from_the_models_own_syntax(sdk: openai.OpenAI, 
         choice = sdk.chat.completions.create(**kwargs).choices[0]
     calls = check_calls(choice, {"get_weather", "add"})
     assert len(calls) == 1 and choice.finish_reason == "tool_calls"
+
+
+def test_native_calls_are_written_in_forced_runs(sdk: openai.OpenAI) -> None:
+    # `<tool_call>\n{"name": "add", "arguments": {"a": ` is forced: no step of its own.
+    base = str(sdk.base_url).removesuffix("/").removesuffix("/v1")
+    tool_choice: Any = {"type": "function", "function": {"name": "add"}}
+    before = counters(base)
+    completion = sdk.chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=80
+    )
+    steps, forced = (after - first for after, first in zip(counters(base), before, strict=True))
+    assert completion.choices[0].finish_reason == "tool_calls" and completion.usage is not None
+    assert forced >= 10 and steps <= completion.usage.completion_tokens - forced
+
+
+def counters(base: str) -> tuple[float, float]:
+    """(decode steps, forced tokens) from the server's /metrics."""
+    values = {}
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    return float(values["llama_trio_decode_steps_total"]), float(values["llama_trio_forced_tokens_total"])
 
 
 def test_native_named_choice_and_round_trip(sdk: openai.OpenAI) -> None:

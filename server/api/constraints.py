@@ -1,10 +1,13 @@
 """What the output must follow: a request's ``response_format``, ``json_schema`` or ``grammar``
 (structured outputs), or its ``tools`` (tool calls, ``tools.output_schema``), as a compiled
-``Grammar`` for the engine. Every problem is a 400 naming the field.
+``Grammar`` for the engine. Every problem is a 400 naming the field. JSON Schemas (a
+request's, a tool's parameters) have their objects closed first, and ``json_object`` is a
+bounded object (``json_bounds``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +16,7 @@ import trio
 
 from server.api import schema, tools
 from server.api.errors import ApiError
+from server.api.json_bounds import JSON_OBJECT, closed_objects
 from server.engine import EngineError
 from server.engine.grammar import Grammar, GrammarError, GrammarKind
 from server.engine.grammar_limits import TooComplex, check_schema_text
@@ -139,16 +143,18 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
     form = req.response_format
     if form is not None and form.type == "json_object":
         if form.object_schema is not None:  # llama-server's form: the object's own schema
-            specs.append(("json_schema", _compact(form.object_schema), "response_format.schema"))
+            closed = closed_objects(form.object_schema)
+            specs.append(("json_schema", _compact(closed), "response_format.schema"))
         else:
-            specs.append(("json_schema", '{"type": "object"}', "response_format"))
+            specs.append(("json_schema", _compact(JSON_OBJECT), "response_format"))
     elif form is not None and form.type == "json_schema":
         if form.json_schema is None or form.json_schema.json_schema is None:
             param = "response_format.json_schema" + (".schema" if form.json_schema is not None else "")
             raise ApiError(400, f"{param} is required for type json_schema", param=param, code="invalid_value")
-        specs.append(("json_schema", _compact(form.json_schema.json_schema), "response_format.json_schema.schema"))
+        closed = closed_objects(form.json_schema.json_schema)
+        specs.append(("json_schema", _compact(closed), "response_format.json_schema.schema"))
     if req.json_schema is not None:
-        specs.append(("json_schema", _compact(req.json_schema), "json_schema"))
+        specs.append(("json_schema", _compact(closed_objects(req.json_schema)), "json_schema"))
     if req.grammar is not None:
         specs.append(("gbnf", req.grammar, "grammar"))
     if use is not None and use.constrained:
@@ -156,10 +162,12 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
         choice = req.tool_choice
         calls_only = choice is not None and choice != "auto"
         parallel = req.parallel_tool_calls is not False and not isinstance(choice, schema.NamedToolChoice)
+        # The instruction shows the tools' parameters as given; the grammar closes their objects.
+        given = [dataclasses.replace(s, parameters=closed_objects(s.parameters)) for s in _specs(req)]
         if use.native:
-            specs.append(("lark", tools.native_grammar(_specs(req), calls_only=calls_only, parallel=parallel), "tools"))
+            specs.append(("lark", tools.native_grammar(given, calls_only=calls_only, parallel=parallel), "tools"))
         else:
-            answer = tools.output_schema(_specs(req), calls_only=calls_only, parallel=parallel)
+            answer = tools.output_schema(given, calls_only=calls_only, parallel=parallel)
             specs.append(("json_schema", _compact(answer), "tools"))
     if len(specs) > 1:
         names = ", ".join(param for _, _, param in specs)

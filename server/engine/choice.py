@@ -15,7 +15,7 @@ import trio
 
 import ffi
 from server.engine.grammar import Matcher
-from server.engine.jobs import EngineError, Job, Phase, Piece, PieceSink, TokenLogprob
+from server.engine.jobs import EngineError, Job, Phase, Piece, PieceSink
 from server.engine.scheduler import StopMatcher
 
 
@@ -45,13 +45,13 @@ class Choice:
         "cached_tokens",
         "restored_tokens",
         "pending",
+        "unjudged",
         "paused",
         "sent",
         "taken",
         "sink",
         "matcher",
         "failure",
-        "logprob",
     )
 
     def __init__(
@@ -92,7 +92,9 @@ class Choice:
         self.n_generated = 0
         self.cached_tokens = 0  # prompt tokens whose cells were kept or restored
         self.restored_tokens = 0  # of those, restored from the host cache
-        self.pending: int | None = None  # sampled token to decode next step
+        # To decode next step: the token sampled last and the tokens its grammar forced after it.
+        self.pending: list[int] = []
+        self.unjudged = 0  # of those forced tokens, how many are judged after that decode (logprobs)
         self.paused = False
         # Items put into / taken out of the channel; their difference is what it buffers (cheaper
         # than asking the channel for its statistics every step). Pieces queued for the next
@@ -103,7 +105,6 @@ class Choice:
         self.sink: PieceSink | None = None
         self.matcher: Matcher | None = None  # the job's place in its grammar, once admitted
         self.failure: EngineError | None = None  # set in the decode thread: end the job with it
-        self.logprob: TokenLogprob | None = None  # of the token just sampled, when the job asks
 
     @classmethod
     def for_job(cls, job: Job, channel_size: int) -> Choice:

@@ -22,6 +22,9 @@ class EngineConfig:
     cache_bytes: int = 0
     # Flash attention, the KV cache's types and where it sits.
     attention: ffi.Attention = field(default_factory=ffi.Attention)
+    # Tokens a grammar forces go into the next decode together (one step for the run), up to
+    # n_batch // n_parallel per sequence; off: one step per token, each sampled under its mask.
+    fast_forward: bool = True
 
 
 # While the engine is busy, the KV cell counts in ``EngineStats`` are refreshed every this many
@@ -44,6 +47,7 @@ class EngineStats:
     decode_steps: int = 0
     decode_seconds: float = 0.0  # inside llama_decode, all steps together
     constrained_tokens: int = 0  # sampled under a grammar
+    forced_tokens: int = 0  # forced by a grammar: appended without sampling (fast-forward)
     constraint_seconds: float = 0.0  # their masks and grammar steps, in the decode thread
     last_step_seconds: float = 0.0
     requests_finished: int = 0

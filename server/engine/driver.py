@@ -9,11 +9,13 @@ Public API::
 
 Each turn of the loop (``Engine.run``): drop released jobs (``_reap``), give queued jobs free
 sequences (``_admit``, keeping the cells of the longest cached prompt prefix), plan one batch
-(``_plan``: one token per generating sequence plus prompt chunks, see
+(``_plan``: each generating sequence's run plus prompt chunks, see
 ``scheduler.plan_step``), and run fill + ``llama_decode`` + sampling in the decode thread
-(``step.run_step``). Meanwhile the previous step's pieces go out (``_hand_out``: the reader's
-sink when armed, ``Pieces.deliver_directly``, else the job's bounded channel). Then ``_conclude`` decides what each sampled token does
-(``scheduler.judge_token``) and queues the resulting pieces. A job whose channel is full is
+(``step.run_step``). Meanwhile the pieces the previous step produced go out (``Outbox.hand_out``):
+to the reader's sink when one is armed (``Pieces.deliver_directly``), otherwise into that job's
+bounded channel with ``send_nowait``. Then ``_conclude`` decides what each sequence's new tokens
+(the one sampled, and those a grammar forced) do (``scheduler.judge_run``) and queues the
+resulting pieces. A job whose channel is full is
 left out of the batch (paused) until its reader catches up. Leaving ``submit``'s block for any
 reason releases the job: the engine drops it before its next step and frees its KV cells.
 """
@@ -44,8 +46,9 @@ from server.engine.jobs import (
     ShuttingDown,
     Usage,
 )
+from server.engine.outbox import Outbox
 from server.engine.prompt_cache import Placer
-from server.engine.step import run_step
+from server.engine.step import Sampled, run_step
 
 logger = logging.getLogger("llama_trio.engine")
 
@@ -79,8 +82,9 @@ class Engine:
             attention=config.attention,
         )
         self.n_ctx_seq = self.context.n_ctx_seq
+        self.n_batch = self.context.n_batch  # llama.cpp lowers n_batch to n_ctx when it is larger
         self._eog = self.vocab.eog_tokens
-        self._batch = ffi.Batch(config.n_batch)
+        self._batch = ffi.Batch(self.n_batch)
         self._slots = [Slot(i) for i in range(config.n_parallel)]
         self._queue: collections.deque[Choice] = collections.deque()
         self._wakeup = trio.Event()
@@ -88,9 +92,11 @@ class Engine:
         self._tick = 0
         self.stats = EngineStats()
         self._closed = False
-        self._outbox: list[tuple[Choice, Piece, bool]] = []  # pieces for ``_hand_out``
+        self._outbox = Outbox()
         self._mask = ffi.TokenMask(self.vocab.n_tokens)  # scratch for constrained sampling
         self._placer = Placer(self.context, self.stats, config.cache_bytes)
+        # Tokens a grammar may force into one sequence's run: every sequence's run fits a step.
+        self._max_forced = self.n_batch // config.n_parallel - 1 if config.fast_forward else 0
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -187,11 +193,11 @@ class Engine:
                 self._admit()
                 if self._placer.pending:
                     # Saving or restoring prompt caches: C work, between decode steps.
-                    await self._thread.run(self._placer.prepare, meanwhile=self._hand_out)
+                    await self._thread.run(self._placer.prepare, meanwhile=self._outbox.hand_out)
                     self._placer.settle()
                 plan = self._plan()
                 if not plan:
-                    self._hand_out()
+                    self._outbox.hand_out()
                     self._update_stats()
                     await self._wakeup.wait()
                     self._wakeup = trio.Event()
@@ -200,7 +206,9 @@ class Engine:
                 try:
                     # What the last step produced goes out while this one decodes.
                     result = await self._thread.run(
-                        run_step, self.context, self._batch, self._slots, plan, self._mask, meanwhile=self._hand_out
+                        run_step,
+                        *(self.context, self._batch, self._slots, plan, self._mask, self._max_forced, self.n_ctx_seq),
+                        meanwhile=self._outbox.hand_out,
                     )
                 except ffi.DecodeError as exc:
                     self._fail_step(plan, exc)
@@ -209,6 +217,7 @@ class Engine:
                 self.stats.decode_seconds += result.decode_seconds
                 if result.constrained:
                     self.stats.constrained_tokens += result.constrained
+                    self.stats.forced_tokens += result.forced
                     self.stats.constraint_seconds += result.constraint_seconds
                 self.stats.last_step_seconds = time.perf_counter() - started
                 self._conclude(result.sampled)
@@ -217,7 +226,7 @@ class Engine:
                 self._update_stats(kv=self.stats.decode_steps % KV_STATS_EVERY == 0)
         finally:
             # No checkpoints here: this runs to completion even while cancelled.
-            self._hand_out()
+            self._outbox.hand_out()
             self.abort_all(ShuttingDown("server is shutting down"))
             self._reap()
 
@@ -285,7 +294,7 @@ class Engine:
         self.stats.queued = len(self._queue)
 
     def _plan(self) -> list[scheduler.PlanEntry]:
-        decoding: list[int] = []
+        decoding: list[tuple[int, int]] = []
         prefilling: list[tuple[int, int]] = []
         paused = 0
         for i, slot in enumerate(self._slots):
@@ -296,21 +305,21 @@ class Engine:
                 choice.paused = choice.sent - choice.taken >= self.config.channel_size
                 if choice.paused:
                     paused += 1
-                elif choice.pending is not None:
-                    decoding.append(i)
+                elif choice.pending:
+                    decoding.append((i, len(choice.pending)))
             elif choice.phase is Phase.PREFILL and choice.source is choice:  # copies wait for it
                 prefilling.append((i, len(choice.prompt) - choice.n_prompt_done))
         # Prompt chunks in arrival order: the earliest-admitted slot first.
         prefilling.sort(key=lambda entry: self._slots[entry[0]].last_used)
         self.stats.paused = paused
-        return scheduler.plan_step(decoding, prefilling, self.config.n_batch)
+        return scheduler.plan_step(decoding, prefilling, self.n_batch)
 
-    def _conclude(self, sampled: list[tuple[Slot, int]]) -> None:
-        """After a step: decide what each sampled token does (``scheduler.judge_token``), queue
-        the pieces that result, and free the sequences of jobs that finished."""
+    def _conclude(self, sampled: list[Sampled]) -> None:
+        """After a step: decide what each sequence's new tokens do (``scheduler.judge_run``),
+        queue the pieces that result, and free the sequences of jobs that finished."""
         eog = self._eog
-        for slot, token in sampled:
-            choice = slot.choice
+        for out in sampled:
+            choice = out.slot.choice
             if choice is None:
                 continue
             if choice.phase is Phase.PREFILL:
@@ -319,31 +328,32 @@ class Engine:
                     self.stats.prompt_tokens += len(choice.prompt) - choice.cached_tokens
             if choice.released:
                 continue  # reaped before the next step
-            choice.n_generated += 1
-            self.stats.generated_tokens += 1
             if choice.failure is not None:
                 choice.end_with(choice.failure)
                 continue
             detok = choice.detok
             assert detok is not None
-            end_of_generation = token in eog
-            verdict = scheduler.judge_token(
+            verdict = scheduler.judge_run(
                 choice.stops,
-                "" if end_of_generation else detok.feed(token),
-                end_of_generation=end_of_generation,
+                out.tokens,
+                detok.feed,
+                eog=eog,
                 n_generated=choice.n_generated,
                 max_tokens=choice.job.max_tokens,
-                n_past=choice.n_past,
+                n_past=out.position,
                 n_ctx_seq=self.n_ctx_seq,
-                grammar_done=choice.matcher is not None and choice.matcher.done,
+                grammar_done=out.grammar_done,
             )
-            tokens = () if end_of_generation else (token,)
-            logprobs = (choice.logprob,) if choice.logprob is not None and tokens else ()
-            choice.logprob = None
+            choice.n_generated += verdict.taken
+            self.stats.generated_tokens += verdict.taken
+            tokens = out.tokens[: verdict.taken]
+            if tokens and tokens[-1] in eog:  # an end token ends the answer and is not part of it
+                tokens.pop()
+            piece_tokens, logprobs = tuple(tokens), tuple(out.logprobs[: len(tokens)])
             if verdict.finish is None:
-                choice.pending = token
+                assert choice.pending, "a job goes on only with a run to decode"
                 if verdict.text or logprobs:
-                    self._queue_piece(choice, Piece(verdict.text, tokens, logprobs=logprobs, index=choice.index))
+                    self._outbox.queue(choice, Piece(verdict.text, piece_tokens, logprobs=logprobs, index=choice.index))
                 continue
             text = verdict.text
             if verdict.release_held:
@@ -351,43 +361,11 @@ class Engine:
             # A copy's prompt was its source's: a job's usage is the sum over its choices.
             prompt_tokens = len(choice.prompt) if choice.source is choice else 0
             usage = Usage(prompt_tokens, choice.n_generated, choice.cached_tokens, choice.restored_tokens)
-            piece = Piece(text, tokens, verdict.finish, usage, logprobs, choice.index, choice.stops.matched)
-            self._queue_piece(choice, piece, last=True)
+            piece = Piece(text, piece_tokens, verdict.finish, usage, logprobs, choice.index, choice.stops.matched)
+            self._outbox.queue(choice, piece, last=True)
             choice.phase = None
             self.stats.requests_finished += 1
-            self._free_slot(slot, keep_cache=True)
-
-    def _queue_piece(self, choice: Choice, piece: Piece, *, last: bool = False) -> None:
-        """Queue ``piece`` for ``_hand_out``; its room in the channel is held from now on."""
-        choice.sent += 1
-        self._outbox.append((choice, piece, last))
-
-    def _hand_out(self) -> None:
-        """Hand out the queued pieces, each through its reader's sink or its channel."""
-        outbox, self._outbox = self._outbox, []
-        for choice, piece, last in outbox:
-            choice.sent -= 1
-            self._hand_out_one(choice, piece)
-            if last:
-                choice.finish_choice()
-
-    def _hand_out_one(self, choice: Choice, item: Piece) -> None:
-        sink = choice.sink
-        if sink is not None:
-            try:
-                if sink(item):
-                    return
-            except Exception:  # a reader's bug must never stop the engine task
-                logger.exception("direct delivery failed; the job goes on through its channel")
-            choice.sink = None
-        try:
-            choice.send.send_nowait(item)
-            choice.sent += 1
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            choice.released = True  # the reader is gone
-        except trio.WouldBlock:  # pragma: no cover - _plan never schedules a full channel
-            logger.error("delivery to a full channel; dropping the job")
-            choice.released = True
+            self._free_slot(out.slot, keep_cache=True)
 
     def _fail_step(self, plan: list[scheduler.PlanEntry], exc: ffi.DecodeError) -> None:
         logger.error("decode failed: %s; ending the %d jobs in that step", exc, len(plan))

@@ -12,8 +12,9 @@ come next.
 
 In the engine a constrained sequence's step is: the matcher writes its mask of allowed tokens
 (``Matcher.fill_mask``), the sampler applies it to the sequence's logits row, the sampled token
-is fed back (``Matcher.consume``), and the grammar reaching its end finishes the job.
-Unconstrained sequences never touch any of this.
+is fed back (``Matcher.consume``), then the tokens the grammar now forces (``Matcher.forced``:
+the text allows one continuation only) go with it into the next decode, and the grammar
+reaching its end finishes the job. Unconstrained sequences never touch any of this.
 """
 
 from __future__ import annotations
@@ -106,6 +107,18 @@ class Matcher:
         outside the mask, or a resource limit reached)."""
         if not self._matcher.consume_token(token) or self._matcher.is_error():
             raise GrammarError(self._matcher.get_error() or f"token {token} does not fit the grammar")
+
+    def forced(self, limit: int) -> list[int]:
+        """At most ``limit`` tokens the grammar forces next (its only possible text, tokenized
+        as the tokenizer would; empty when the next text is a choice). Not consumed."""
+        if limit <= 0:
+            return []
+        return self._matcher.compute_ff_tokens()[:limit]
+
+    def consume_run(self, tokens: list[int]) -> None:
+        """Advance past ``tokens`` (a forced run); raises ``GrammarError`` as ``consume`` does."""
+        if not self._matcher.consume_tokens(tokens) or self._matcher.is_error():
+            raise GrammarError(self._matcher.get_error() or "a forced run does not fit the grammar")
 
     @property
     def done(self) -> bool:

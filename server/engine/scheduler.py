@@ -2,17 +2,20 @@
 
 - ``common_prefix`` / ``pick_slot``: which free sequence to give a new job: the one that saves
   the most prompt work without throwing away more cached work than it saves.
-- ``plan_step``: what one decode step carries — one token for every decoding sequence, then
-  prompt chunks of prefilling sequences in arrival order, within the batch budget.
+- ``plan_step``: what one decode step carries — every decoding sequence's run (the token it
+  sampled, and the tokens its grammar forced after it), then prompt chunks of prefilling
+  sequences in arrival order, within the batch budget.
+- ``forced_room``: how many forced tokens may follow a sampled one into the next decode.
 - ``StopMatcher``: stop strings that may span token boundaries, holding back text that could
   still turn out to be the start of one.
-- ``judge_token`` / ``release_held``: what one sampled token does to its job: the text it
-  releases, and whether the job finishes (end token, stop string, ``max_tokens``, context full).
+- ``judge_token`` / ``judge_run`` / ``release_held``: what one token, or a run of them, does to
+  its job: the text released, and whether (and at which token) the job finishes (end token,
+  stop string, grammar's end, ``max_tokens``, context full).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -86,19 +89,28 @@ def pick_slot(
 @dataclass(frozen=True)
 class PlanEntry:
     slot: int
-    n_tokens: int  # 1 for a decoding slot; a chunk length for a prefilling one
+    n_tokens: int  # a decoding slot's run (1 + forced tokens); a chunk length for a prefilling one
     prefill: bool
 
 
-def plan_step(decoding: Sequence[int], prefilling: Sequence[tuple[int, int]], budget: int) -> list[PlanEntry]:
+def plan_step(
+    decoding: Sequence[tuple[int, int]], prefilling: Sequence[tuple[int, int]], budget: int
+) -> list[PlanEntry]:
     """Plan one batch of at most ``budget`` tokens.
 
-    ``decoding`` lists slots that need one token each; ``prefilling`` lists (slot, prompt tokens
+    ``decoding`` lists (slot, run length) of slots whose last sampled token, and the tokens a
+    grammar forced after it, are to be appended; ``prefilling`` lists (slot, prompt tokens
     still to process) in arrival order. Decoding slots go first so that a long prompt never
-    stalls running streams; the rest of the budget goes to prompt chunks, oldest first.
+    stalls running streams; the rest of the budget goes to prompt chunks, oldest first. A run
+    is never split (its last token's logits are the ones to sample); one that does not fit
+    waits for the next step (the engine bounds runs so that all of them fit).
     """
-    plan = [PlanEntry(slot, 1, False) for slot in decoding[:budget]]
-    left = budget - len(plan)
+    plan = []
+    left = budget
+    for slot, n in decoding:
+        if n <= left:
+            plan.append(PlanEntry(slot, n, False))
+            left -= n
     for slot, remaining in prefilling:
         if left <= 0:
             break
@@ -107,6 +119,18 @@ def plan_step(decoding: Sequence[int], prefilling: Sequence[tuple[int, int]], bu
             plan.append(PlanEntry(slot, n, True))
             left -= n
     return plan
+
+
+def forced_room(*, max_run: int, position: int, n_ctx_seq: int, n_generated: int, max_tokens: int | None) -> int:
+    """How many tokens a grammar may force after a sampled token, to be decoded with it in one
+    run: at most ``max_run`` (a sequence's share of a step), none past the sequence's context
+    (``position`` is the sampled token's place there) and none past ``max_tokens``
+    (``n_generated`` counts the answer's tokens up to the sampled one). A run cut here loses
+    nothing: the next token is then sampled under the grammar, which allows only that text."""
+    room = min(max_run, n_ctx_seq - 1 - position)
+    if max_tokens is not None:
+        room = min(room, max_tokens - n_generated)
+    return max(room, 0)
 
 
 class StopMatcher:
@@ -195,6 +219,57 @@ def judge_token(
     if (max_tokens is not None and n_generated >= max_tokens) or n_past >= n_ctx_seq:
         return Verdict(released, "length", True)
     return Verdict(released, None, False)
+
+
+class RunVerdict(NamedTuple):
+    """What a run of tokens does to its job."""
+
+    taken: int  # tokens of the run in the answer: all of them, or up to the one that finishes it
+    text: str  # text released
+    finish: str | None
+    release_held: bool  # as in ``Verdict``
+
+
+def judge_run(
+    stops: StopMatcher,
+    tokens: Sequence[int],
+    text_of: Callable[[int], str],
+    *,
+    eog: Container[int],
+    n_generated: int,
+    max_tokens: int | None,
+    n_past: int,
+    n_ctx_seq: int,
+    grammar_done: bool = False,
+) -> RunVerdict:
+    """Judge ``tokens`` in order, each as ``judge_token`` would one by one, up to the first that
+    finishes the job: a stop string, ``max_tokens`` or the context's end inside a run (a token
+    sampled and those a grammar forced after it) cuts it exactly where the same tokens would
+    have ended the job one step at a time.
+
+    ``text_of(token)`` gives a token's text (the detokenizer: called once for each token up to
+    the finishing one, never for an end-of-generation token or past the finish);
+    ``n_generated`` counts the answer's tokens before the run, ``n_past`` is the first token's
+    position in the sequence; ``grammar_done``: the grammar ended with the run's last token.
+    """
+    texts = []
+    last = len(tokens) - 1
+    for i, token in enumerate(tokens):
+        end = token in eog
+        verdict = judge_token(
+            stops,
+            "" if end else text_of(token),
+            end_of_generation=end,
+            n_generated=n_generated + i + 1,
+            max_tokens=max_tokens,
+            n_past=n_past + i,
+            n_ctx_seq=n_ctx_seq,
+            grammar_done=grammar_done and i == last,
+        )
+        texts.append(verdict.text)
+        if verdict.finish is not None:
+            return RunVerdict(i + 1, "".join(texts), verdict.finish, verdict.release_held)
+    return RunVerdict(len(tokens), "".join(texts), None, False)
 
 
 def release_held(stops: StopMatcher, held: str) -> str:

@@ -228,6 +228,7 @@ class ModelRuntime:
             max_queue=s.max_queue,
             cache_bytes=s.cache_ram * 1024 * 1024,
             attention=attention(s),
+            fast_forward=not s.no_fast_forward,
         )
 
     def _load_model(self) -> tuple[ffi.Model, tuple[DeviceUse, ...]]:
