@@ -12,10 +12,10 @@ sequences (``_admit``, keeping the cells of the longest cached prompt prefix), p
 (``_plan``: one token per generating sequence plus prompt chunks, see
 ``scheduler.plan_step``), and run fill + ``llama_decode`` + sampling in the decode thread
 (``step.run_step``). Meanwhile the previous step's pieces go out (``_hand_out``: the reader's
-sink when armed, ``Pieces.deliver_directly``, else the job's bounded channel). Then ``_conclude`` decides what each sampled token does
-(``scheduler.judge_token``) and queues the resulting pieces. A job whose channel is full is
-left out of the batch (paused) until its reader catches up. Leaving ``submit``'s block for any
-reason releases the job: the engine drops it before its next step and frees its KV cells.
+sink when armed, ``Pieces.deliver_directly``, else the job's bounded channel). Then
+``_conclude`` judges each sampled token (``scheduler.judge_token``) and queues the pieces. A
+job whose channel is full sits out the batch (paused) until its reader catches up. Leaving
+``submit``'s block for any reason releases the job: the engine drops it and frees its cells.
 """
 
 from __future__ import annotations
