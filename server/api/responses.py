@@ -42,8 +42,8 @@ T = TypeVar("T")
 async def create() -> Response:
     """Answer a Responses request.
 
-    *Cancellation*: as chat's (``completions.complete``); a response whose client went away is
-    not stored.
+    *Cancellation*: as chat's (``completions.complete``); a response whose client went away
+    before it was done is not stored.
     """
     state = current_state()
     trace = Trace(state, request.path)
@@ -110,11 +110,11 @@ def _keeper(
 
 
 async def _stored(call: Callable[[], Awaitable[T]]) -> T:
-    """A store call; a closed store (the server is stopping) is a 503."""
+    """A store call; a store not open (the server is starting or stopping) is a 503."""
     try:
         return await call()
     except StoreError as exc:
-        raise ApiError.unavailable(str(exc), code="server_shutting_down") from None
+        raise ApiError.unavailable(str(exc), code="store_unavailable") from None
 
 
 @responses.post("/v1/responses/input_tokens")
