@@ -32,8 +32,8 @@ class ServerState:
         self.metrics = Metrics(
             self.engine_stats, lambda: self.draining, self.model_rows, self.compile_stats, self.embedder_stats
         )
-        # Opened now, before any event loop (a bad --responses-db fails the start); closed by
-        # ``run_store``.
+        if settings.responses_db is not None:
+            ResponseStore.check(settings.responses_db)  # a file it cannot use fails the start
         self.responses = ResponseStore(settings.responses_db, int(settings.responses_max_mb * MIB))
         self._store_closing = trio.Event()
 
@@ -49,12 +49,14 @@ class ServerState:
         return list(self.models.engines())
 
     async def run_store(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep the responses store open until ``stop_models``, then close it.
+        """Open the responses store (in a worker thread), keep it open until ``stop_models``,
+        then close it.
 
         *Cancellation*: the store is closed (shielded) once no call on it is running.
         """
-        task_status.started()
         try:
+            await trio.to_thread.run_sync(self.responses.open)
+            task_status.started()
             await self._store_closing.wait()
         finally:
             await self.responses.aclose()

@@ -1,8 +1,8 @@
 """``ResponseStore``: the responses ``/v1/responses`` keeps (``store``), in SQLite.
 
-One connection, owned by one ``ResponseStore`` with an idempotent ``close()``. It is opened
-when the server starts (before its event loop runs); after that every call runs in a worker
-thread (``trio.to_thread``), one at a time. In memory by default; with a file
+One connection, owned by one ``ResponseStore`` with an idempotent ``close()``, open while the
+server serves (``ServerState.run_store``); every call runs in a worker thread
+(``trio.to_thread``), one at a time. In memory by default; with a file
 (``--responses-db``) stored responses outlive the process, and a hot restart's two processes
 use the file together: WAL journal (a reader never waits for the writer) and a busy timeout
 for the moment both write.
@@ -71,29 +71,44 @@ class Stored:
 
 
 class ResponseStore:
-    """Stored responses in SQLite at ``path`` (None: in memory), at most ``max_bytes`` of them.
-
-    Opening reads and writes the file: call it before the event loop runs, or in a thread."""
+    """Stored responses in SQLite at ``path`` (None: in memory), at most ``max_bytes`` of them,
+    once ``open``; until then, and after ``close``, every call raises ``StoreError``."""
 
     def __init__(self, path: str | None, max_bytes: int) -> None:
         self.path = path
         self.max_bytes = max_bytes
         self._lock = trio.Lock()  # one call at a time on the connection
         self._closing = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    @classmethod
+    def check(cls, path: str) -> None:
+        """Open the file and close it again: a ``StoreError`` now, when it cannot be used,
+        rather than once the server runs. Blocking: call it before the event loop runs."""
+        store = cls(path, 0)
+        store.open()
+        store.close()
+
+    def open(self) -> None:
+        """Connect and make the tables (once). Blocking: call it in a worker thread, or before
+        the event loop runs."""
         try:
-            self._db: sqlite3.Connection | None = sqlite3.connect(
-                path or ":memory:", timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            db = sqlite3.connect(
+                self.path or ":memory:", timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
             )
         except sqlite3.Error as exc:
-            raise StoreError(0, f"cannot open the responses store {path}: {exc}") from None
+            raise StoreError(0, f"cannot open the responses store {self.path}: {exc}") from None
         try:
-            if path is not None:
-                self._db.execute("PRAGMA journal_mode=WAL")
-                self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
+            if self.path is not None:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
-            self.close()
-            raise StoreError(0, f"cannot open the responses store {path}: {exc}") from None
+            db.close()
+            raise StoreError(0, f"cannot open the responses store {self.path}: {exc}") from None
+        with self._closing:
+            assert self._db is None, "opened twice"
+            self._db = db
 
     def close(self) -> None:
         """Close the connection (idempotent); later calls raise ``StoreError``."""
@@ -117,7 +132,7 @@ class ResponseStore:
         async with self._lock:
             db = self._db
             if db is None:
-                raise StoreError(0, "the responses store is closed")
+                raise StoreError(0, "the responses store is not open")
             return await trio.to_thread.run_sync(fn, db)
 
     async def put(self, tenant: str, id_: str, response: dict[str, Any], context: list[dict[str, Any]]) -> bool:

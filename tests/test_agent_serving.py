@@ -121,6 +121,13 @@ def test_store_bound_and_a_hot_restart(keyed: tuple[ServerProcess, pathlib.Path]
     assert db.exists() and "Traceback" not in proc.log, proc.log[-5000:]
 
 
+def test_a_responses_db_it_cannot_open_fails_the_start(tmp_path: pathlib.Path) -> None:
+    with ServerProcess(["--responses-db", str(tmp_path / "missing" / "responses.db")]) as proc:
+        assert proc.wait(GUARD) == 2
+    assert f"llama-trio: cannot open the responses store {tmp_path}/missing/responses.db" in proc.log
+    assert "Traceback" not in proc.log
+
+
 # -- the drain -----------------------------------------------------------------------------------
 
 

@@ -245,6 +245,11 @@ def test_transport_errors_in_anthropic_shape(server: ServerProcess) -> None:
     assert bad_json.status_code == 400 and "not valid JSON" in check_error(bad_json.json())
     not_an_object = httpx.post(server.url + "/v1/messages/count_tokens", json=[1], timeout=30)
     assert not_an_object.status_code == 400 and "JSON object" in check_error(not_an_object.json())
+    wrong_method = httpx.get(server.url + "/v1/messages", timeout=30)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    check_error(wrong_method.json())
+    too_large = httpx.post(server.url + "/v1/messages", content=b"{" + b" " * (4 * 1024 * 1024), timeout=30)
+    assert too_large.status_code == 413 and "larger than" in check_error(too_large.json(), "request_too_large")
     # The OpenAI routes keep theirs.
     openai_shape = httpx.post(server.url + "/v1/chat/completions", content=b"{", timeout=30)
     assert openai_shape.status_code == 400 and set(openai_shape.json()["error"]) == {"message", "type", "param", "code"}

@@ -11,12 +11,18 @@ import trio
 from server.store import ResponseStore, StoreError
 
 
+def opened(path: str | None, max_bytes: int) -> ResponseStore:
+    store = ResponseStore(path, max_bytes)
+    store.open()
+    return store
+
+
 def response(id_: str, text: str) -> dict:
     return {"id": id_, "object": "response", "output": [{"type": "message", "content": [{"text": text}]}]}
 
 
 async def test_tenants_read_and_delete_only_their_own() -> None:
-    store = ResponseStore(None, 1 << 20)
+    store = opened(None, 1 << 20)
     try:
         await store.put("a", "resp_1", response("resp_1", "hello"), [{"type": "message", "id": "msg_1"}])
         got = await store.get("a", "resp_1")
@@ -35,7 +41,7 @@ async def test_tenants_read_and_delete_only_their_own() -> None:
 
 async def test_bound_drops_the_oldest_first() -> None:
     bound = 4000
-    store = ResponseStore(None, bound)
+    store = opened(None, bound)
     try:
         for i in range(20):
             await store.put("t", f"resp_{i}", response(f"resp_{i}", "x" * 300), [])
@@ -53,8 +59,8 @@ async def test_bound_drops_the_oldest_first() -> None:
 
 async def test_two_stores_share_a_file(tmp_path: pathlib.Path) -> None:
     path = str(tmp_path / "responses.db")
-    old = ResponseStore(path, 1 << 20)
-    new = ResponseStore(path, 1 << 20)  # as a hot restart's new process opens it
+    old = opened(path, 1 << 20)
+    new = opened(path, 1 << 20)  # as a hot restart's new process opens it
     try:
         await old.put("t", "resp_old", response("resp_old", "before"), [])
         got = await new.get("t", "resp_old")
@@ -71,15 +77,19 @@ async def test_two_stores_share_a_file(tmp_path: pathlib.Path) -> None:
     finally:
         old.close()
         new.close()
-    reopened = ResponseStore(path, 1 << 20)  # and a later process finds them all
+    reopened = opened(path, 1 << 20)  # and a later process finds them all
     try:
         assert (await reopened.get("t", "b_19")) is not None
     finally:
         reopened.close()
 
 
-async def test_close_is_idempotent_and_final() -> None:
+async def test_not_open_then_closed_idempotently() -> None:
     store = ResponseStore(None, 1 << 20)
+    with pytest.raises(StoreError, match="not open"):
+        await store.get("t", "resp_1")
+    store.open()
+    assert await store.get("t", "resp_1") is None
     await store.aclose()
     store.close()
     with pytest.raises(StoreError):
@@ -88,4 +98,7 @@ async def test_close_is_idempotent_and_final() -> None:
 
 def test_a_file_that_cannot_be_opened_is_one_clear_error(tmp_path: pathlib.Path) -> None:
     with pytest.raises(StoreError, match="cannot open the responses store"):
-        ResponseStore(str(tmp_path / "missing" / "responses.db"), 1 << 20)
+        ResponseStore.check(str(tmp_path / "missing" / "responses.db"))
+    (tmp_path / "text").write_text("not a database, " * 100)
+    with pytest.raises(StoreError, match="cannot open the responses store"):
+        ResponseStore.check(str(tmp_path / "text"))

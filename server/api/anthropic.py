@@ -13,6 +13,7 @@ key (``middleware``), the version and betas as information (they select nothing 
 from __future__ import annotations
 
 from quart import Blueprint, Response, request
+from werkzeug.exceptions import MethodNotAllowed
 
 from server.api import anthropic_parse as parse
 from server.api import anthropic_render as render
@@ -83,3 +84,15 @@ async def count_tokens() -> Response:
     except ApiError as exc:
         raise exc.renamed(parse.PARAM_NAMES) from None
     return json_response({"input_tokens": count})
+
+
+OTHER_METHODS = ["GET", "PUT", "PATCH", "DELETE"]
+
+
+@anthropic.route("/v1/messages", methods=OTHER_METHODS)
+@anthropic.route("/messages", methods=OTHER_METHODS)
+@anthropic.route("/v1/messages/count_tokens", methods=OTHER_METHODS)
+@anthropic.route("/messages/count_tokens", methods=OTHER_METHODS)
+async def wrong_method() -> Response:
+    """A 405 on these paths, in Anthropic's shape (routing's own would be the app's)."""
+    raise MethodNotAllowed(valid_methods=["POST"])

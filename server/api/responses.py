@@ -12,6 +12,7 @@ its client can read that it is done, so ``previous_response_id`` can continue it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -31,6 +32,7 @@ from server.state import ServerState
 from server.store import ResponseStore, Stored, StoreError
 
 responses = Blueprint("responses", __name__)
+logger = logging.getLogger("llama_trio.api")
 
 MAX_LIST_LIMIT = 100  # input_items' page, as OpenAI
 DEFAULT_LIST_LIMIT = 20
@@ -42,8 +44,8 @@ T = TypeVar("T")
 async def create() -> Response:
     """Answer a Responses request.
 
-    *Cancellation*: as chat's (``completions.complete``); a response whose client went away is
-    not stored.
+    *Cancellation*: as chat's (``completions.complete``); a response whose client went away
+    before it was done is not stored.
     """
     state = current_state()
     trace = Trace(state, request.path)
@@ -60,7 +62,10 @@ async def create() -> Response:
 
         async def before_closing() -> None:
             if keep is not None and dialect.final is not None:
-                await keep(dialect.final)
+                try:
+                    await keep(dialect.final)
+                except ApiError as exc:  # the answer is out already: it ends, not stored
+                    logger.warning("response %s not stored: %s", head["id"], exc.message)
 
         return streamed_response(prepared, dialect, trace, state.settings.ping_interval, before_closing=before_closing)
     choice = (await collect(prepared, trace))[0]
@@ -110,11 +115,11 @@ def _keeper(
 
 
 async def _stored(call: Callable[[], Awaitable[T]]) -> T:
-    """A store call; a closed store (the server is stopping) is a 503."""
+    """A store call; a store not open (the server is starting or stopping) is a 503."""
     try:
         return await call()
     except StoreError as exc:
-        raise ApiError.unavailable(str(exc), code="server_shutting_down") from None
+        raise ApiError.unavailable(str(exc), code="store_unavailable") from None
 
 
 @responses.post("/v1/responses/input_tokens")

@@ -11,13 +11,12 @@ Each turn of the loop (``Engine.run``): drop released jobs (``_reap``), give que
 sequences (``_admit``, keeping the cells of the longest cached prompt prefix), plan one batch
 (``_plan``: each generating sequence's run plus prompt chunks, see
 ``scheduler.plan_step``), and run fill + ``llama_decode`` + sampling in the decode thread
-(``step.run_step``). Meanwhile the pieces the previous step produced go out (``Outbox.hand_out``):
-to the reader's sink when one is armed (``Pieces.deliver_directly``), otherwise into that job's
-bounded channel with ``send_nowait``. Then ``_conclude`` decides what each sequence's new tokens
-(the one sampled, and those a grammar forced) do (``scheduler.judge_run``) and queues the
-resulting pieces. A job whose channel is full is
-left out of the batch (paused) until its reader catches up. Leaving ``submit``'s block for any
-reason releases the job: the engine drops it before its next step and frees its KV cells.
+(``step.run_step``). Meanwhile the previous step's pieces go out (``Outbox.hand_out``: the
+reader's sink when armed, ``Pieces.deliver_directly``, else the job's bounded channel). Then
+``_conclude`` judges each sequence's new tokens (the one sampled and those a grammar forced,
+``scheduler.judge_run``) and queues the pieces. A job whose channel is full sits out the batch
+(paused) until its reader catches up. Leaving ``submit``'s block for any reason releases the
+job: the engine drops it and frees its cells.
 """
 
 from __future__ import annotations
