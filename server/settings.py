@@ -53,6 +53,10 @@ class Settings:
     fd: int | None = None  # None: open our own listener (or take systemd's)
     restart_timeout: float = 120.0
     verbose: bool = False
+    temp: float | None = None  # None: each API's own default
+    seed: int | None = None  # None: a fresh seed per request
+    no_slots: bool = False
+    slot_save_path: str | None = None
 
     def api_keys(self) -> frozenset[str]:
         keys = set(self.api_key)
@@ -102,6 +106,10 @@ _HELP = {
     ),
     "restart_timeout": "seconds a hot restart (SIGHUP) waits for the new process to be ready before giving up on it",
     "verbose": "debug logging, including llama.cpp's own log",
+    "temp": "temperature of requests that set none (default: 1.0 on the OpenAI routes, 0.8 on llama.cpp's native ones)",
+    "seed": "sampling seed of requests that set none (default: a fresh one each)",
+    "no_slots": "do not serve GET /slots (llama.cpp's view of the sequences)",
+    "slot_save_path": "folder where POST /slots/ID saves and restores sequences (default: saving and restoring off)",
 }
 
 
@@ -119,10 +127,12 @@ def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
 def _kind(name: str) -> type:
     defaults = Settings()
     value = getattr(defaults, name)
-    if name in {"model", "alias", "api_key_file", "chat_template_file", "pooling"}:
+    if name in {"model", "alias", "api_key_file", "chat_template_file", "pooling", "slot_save_path"}:
         return str
-    if name in {"max_tokens", "fd"}:
+    if name in {"max_tokens", "fd", "seed"}:
         return int
+    if name == "temp":
+        return float
     return type(value)
 
 
@@ -172,6 +182,12 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error("--pooling must be mean, cls or last")
     if settings.cache_ram < 0:
         parser.error("--cache-ram must be 0 (off) or a number of MiB")
+    if settings.temp is not None and not 0.0 <= settings.temp <= 2.0:
+        parser.error("--temp must be between 0 and 2")
+    if settings.seed is not None and not 0 <= settings.seed < 2**32:
+        parser.error("--seed must be between 0 and 4294967295")
+    if settings.slot_save_path is not None and not os.path.isdir(settings.slot_save_path):
+        parser.error(f"--slot-save-path {settings.slot_save_path}: not a folder")
     if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
         parser.error("--ping-interval must be a positive number of seconds")
     return settings

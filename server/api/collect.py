@@ -14,12 +14,14 @@ class Collected:
 
     def __init__(self, echo: str = "") -> None:
         self.texts: list[str] = [echo] if echo else []
+        self.tokens: list[int] = []  # generated (an end-of-generation token is not among them)
         self.logprobs: list[tuple[tuple[TokenLogprob, ...], str]] = []
         self.finish = "cancelled"
         self.usage: Usage | None = None
 
     def add(self, piece: Piece) -> None:
         self.texts.append(piece.text)
+        self.tokens.extend(piece.tokens)
         self.logprobs.append((piece.logprobs, piece.text))
         if piece.finish_reason:
             self.finish, self.usage = piece.finish_reason, piece.usage

@@ -8,12 +8,13 @@ from quart import Blueprint, Response
 from server.api.respond import current_state, json_response
 from server.metrics import CONTENT_TYPE
 
-PUBLIC = frozenset(["/health"])  # paths that need no API key
+PUBLIC = frozenset(["/health", "/v1/health"])  # paths that need no API key
 
 ops = Blueprint("ops", __name__)
 
 
 @ops.get("/health")
+@ops.get("/v1/health")  # llama-server answers here too
 async def health() -> Response:
     state = current_state()
     if state.draining:

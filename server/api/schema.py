@@ -205,6 +205,11 @@ class ChatCompletionRequest(CommonFields):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     modalities: list[str] | None = None
+    # llama-server's and vLLM's: a conversation that ends with an assistant message continues
+    # that message (prefill) unless continue_final_message is false; add_generation_prompt
+    # false renders no assistant turn at the end.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""

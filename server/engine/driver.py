@@ -42,6 +42,7 @@ from server.engine.jobs import (
     Overloaded,
     Phase,
     Piece,
+    SequenceView,
     ShuttingDown,
     Usage,
 )
@@ -166,6 +167,18 @@ class Engine:
             if slot.choice is not None:
                 slot.choice.end_with(error)
         self._wake()
+
+    def sequences(self) -> list[SequenceView]:
+        """What each sequence is doing now (counts only)."""
+        views = []
+        for slot in self._slots:
+            choice = slot.choice
+            if choice is None:
+                views.append(SequenceView(slot.seq_id, False, len(slot.cached)))
+            else:
+                prompt, generated = len(choice.prompt), choice.n_generated
+                views.append(SequenceView(slot.seq_id, True, len(slot.cached), prompt, generated, choice.phase))
+        return views
 
     @property
     def busy(self) -> bool:

@@ -98,6 +98,19 @@ class Piece:
     index: int = 0  # the choice, for a job with n > 1
 
 
+@dataclass(frozen=True)
+class SequenceView:
+    """What one sequence is doing, for an operator (llama-server's ``/slots``): counts only,
+    never the tokens (they may be another tenant's prompt)."""
+
+    seq_id: int
+    busy: bool
+    cached_tokens: int  # tokens whose KV cells it holds
+    prompt_tokens: int = 0  # of the job it runs (0 when idle)
+    generated_tokens: int = 0
+    phase: Phase | None = None
+
+
 class PieceSink(Protocol):
     """Takes a job's pieces in place of its channel while armed (``Pieces.deliver_directly``).
 
