@@ -57,6 +57,7 @@ class Settings:
     seed: int | None = None  # None: a fresh seed per request
     no_slots: bool = False
     slot_save_path: str | None = None
+    chat_template: str | None = None  # a template's text or a llama.cpp built-in's name
 
     def api_keys(self) -> frozenset[str]:
         keys = set(self.api_key)
@@ -97,7 +98,7 @@ _HELP = {
     "ping_interval": "seconds of silence in a stream (queued, or a long prompt) before a ': ping' comment is sent",
     "max_header_size": "largest request head in bytes (431 above)",
     "max_connections": "open connections at once; past it a new client replaces the longest-idle one, or waits",
-    "cors_origin": "allowed CORS origin (repeatable; * for any)",
+    "cors_origin": "allowed CORS origin (repeatable; * for any; localhost for any on this machine)",
     "reuse_port": "also set SO_REUSEPORT (lets other processes share the port)",
     "no_webui": "do not serve the chat page at / (the API is unchanged)",
     "fd": (
@@ -109,6 +110,10 @@ _HELP = {
     "temp": "temperature of requests that set none (default: 1.0 on the OpenAI routes, 0.8 on llama.cpp's native ones)",
     "seed": "sampling seed of requests that set none (default: a fresh one each)",
     "no_slots": "do not serve GET /slots (llama.cpp's view of the sequences)",
+    "chat_template": (
+        "chat template to use instead of the model's own: Jinja text, or the name of one llama.cpp knows "
+        "(chatml, llama3, command-r, ...)"
+    ),
     "slot_save_path": "folder where POST /slots/ID saves and restores sequences (default: saving and restoring off)",
 }
 
@@ -127,7 +132,7 @@ def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
 def _kind(name: str) -> type:
     defaults = Settings()
     value = getattr(defaults, name)
-    if name in {"model", "alias", "api_key_file", "chat_template_file", "pooling", "slot_save_path"}:
+    if name in {"model", "alias", "api_key_file", "chat_template_file", "pooling", "slot_save_path", "chat_template"}:
         return str
     if name in {"max_tokens", "fd", "seed"}:
         return int
@@ -188,6 +193,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error("--seed must be between 0 and 4294967295")
     if settings.slot_save_path is not None and not os.path.isdir(settings.slot_save_path):
         parser.error(f"--slot-save-path {settings.slot_save_path}: not a folder")
+    if settings.chat_template is not None and settings.chat_template_file is not None:
+        parser.error("--chat-template and --chat-template-file cannot both be given")
     if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
         parser.error("--ping-interval must be a positive number of seconds")
     return settings

@@ -65,7 +65,7 @@ class ServerState:
         self.engine: Engine | None = None
         self.info: ModelInfo | None = None  # once loaded
         self.embedder: Embedder | None = None
-        self._template_source = _read_template(settings.chat_template_file)
+        self._template_source = settings.chat_template or _read_template(settings.chat_template_file)
         self.draining = False
         self.load_failed: BaseException | None = None
         self.ready = trio.Event()

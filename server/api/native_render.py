@@ -28,7 +28,8 @@ class Timing:
 
 def timings(usage: Usage | None, timing: Timing, n_generated: int) -> dict[str, Any]:
     """llama-server's ``timings``: prompt tokens computed (and cached), generated tokens, and
-    how long each took. The prompt's time runs to the first piece (queueing included)."""
+    how long each took. The prompt's time runs to the first piece (queueing included); the first
+    token comes with the prompt's last step, so the generation rate is over the others."""
     cached = usage.cached_tokens if usage else 0
     prompt_n = (usage.prompt_tokens - cached) if usage else 0
     predicted_n = usage.completion_tokens if usage else n_generated
@@ -42,8 +43,10 @@ def timings(usage: Usage | None, timing: Timing, n_generated: int) -> dict[str, 
         "prompt_per_second": 1000 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
         "predicted_n": predicted_n,
         "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-        "predicted_per_second": 1000 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0,
+        "predicted_per_token_ms": predicted_ms / (predicted_n - 1) if predicted_n > 1 else 0.0,
+        "predicted_per_second": 1000 * (predicted_n - 1) / predicted_ms
+        if predicted_ms > 0 and predicted_n > 1
+        else 0.0,
     }
 
 

@@ -30,4 +30,7 @@ async def health() -> Response:
 
 @ops.get("/metrics")
 async def metrics() -> Response:
-    return Response(current_state().metrics.render(), content_type=CONTENT_TYPE)
+    state = current_state()
+    # As llama-server sends it: when this process started (clients compute rates from it).
+    headers = {"Process-Start-Time-Unix": str(state.created)}
+    return Response(state.metrics.render(), content_type=CONTENT_TYPE, headers=headers)

@@ -93,7 +93,8 @@ class PartError(ValueError):
 
 
 class JsonSchemaFormat(_Request):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    # OpenAI requires a name; llama-server and vLLM do not, and it changes no answer.
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
     description: str | None = None
     # "schema" would shadow a pydantic method: the field is read under its wire name.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")

@@ -39,6 +39,7 @@ class EngineStats:
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0  # inside llama_decode, all steps together
+    busy_slot_steps: int = 0  # sequences in each step, summed over the steps
     constrained_tokens: int = 0  # sampled under a grammar
     constraint_seconds: float = 0.0  # their masks and grammar steps, in the decode thread
     last_step_seconds: float = 0.0

@@ -219,6 +219,7 @@ class Engine:
                     self._fail_step(plan, exc)
                     continue
                 self.stats.decode_steps += 1
+                self.stats.busy_slot_steps += len({entry.slot for entry in plan})
                 self.stats.decode_seconds += result.decode_seconds
                 if result.constrained:
                     self.stats.constrained_tokens += result.constrained
