@@ -255,6 +255,21 @@ def test_cancelled_stream_frees_its_sequence(server: ServerProcess) -> None:
     assert all(not s["is_processing"] for s in httpx.get(server.url + "/slots").json())
 
 
+def test_llamacpp_metric_names(server: ServerProcess) -> None:
+    before = server.metrics()
+    answer = post(server, "/completion", {"prompt": PROMPT + " (metrics)", "n_predict": 3, "ignore_eos": True}).json()
+    response = httpx.get(server.url + "/metrics")
+    assert int(response.headers["Process-Start-Time-Unix"]) > 0
+    for name, kind in [("prompt_tokens_total", "counter"), ("requests_processing", "gauge")]:
+        assert f"# TYPE llamacpp:{name} {kind}\n" in response.text and f"# HELP llamacpp:{name} " in response.text
+    after = server.metrics()
+    grown = after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
+    assert grown >= answer["timings"]["predicted_n"] == 3  # other tests' requests may finish meanwhile
+    assert after["llamacpp:prompt_tokens_total"] == after["llama_trio_tokens_total{kind=prompt}"]
+    assert after["llamacpp:n_decode_total"] == after["llama_trio_decode_steps_total"]
+    assert after["llamacpp:n_tokens_max_total"] >= answer["tokens_evaluated"] + 3
+
+
 # -- /apply-template and assistant prefill --------------------------------------------------------
 
 
@@ -278,6 +293,8 @@ def test_chat_prefill_continues_the_message(server: ServerProcess) -> None:
     body = {"messages": prefill, "max_tokens": 2}
     continued = post(server, "/v1/chat/completions", body).json()
     assert continued["usage"]["prompt_tokens"] == n_prompt
+    counted = post(server, "/v1/chat/completions/input_tokens", {"messages": prefill}).json()
+    assert counted == {"input_tokens": n_prompt}
     fresh = post(server, "/v1/chat/completions", {**body, "continue_final_message": False}).json()
     assert fresh["usage"]["prompt_tokens"] > n_prompt  # the turn closed and a new one opened
     two = [*prefill, {"role": "assistant", "content": "three"}]

@@ -23,7 +23,7 @@ from server.api.native_infill import Fim, extra_chunks, infill_tokens
 from server.api.native_slots import slot_action, slots_list
 from server.api.native_stream import NativeStream, StreamContext
 from server.api.preflight import off_loop, read_json, read_object, ready, tokenizing
-from server.api.prepare import Prepared, chat_text, prepare_request
+from server.api.prepare import Prepared, chat_text, chat_token_count, prepare_request
 from server.api.prompt import text_tokens
 from server.api.respond import current_state, json_response
 from server.api.streaming import streamed_response
@@ -308,6 +308,14 @@ async def detokenize() -> Response:
 async def apply_template() -> Response:
     req = await read_json(schema.ChatCompletionRequest)
     return json_response({"prompt": await chat_text(current_state(), req)})
+
+
+@native.post("/chat/completions/input_tokens")
+@native.post("/v1/chat/completions/input_tokens")
+@native_errors
+async def input_tokens() -> Response:
+    req = await read_json(schema.ChatCompletionRequest)
+    return json_response({"input_tokens": await chat_token_count(current_state(), req)})
 
 
 @native.get("/props")

@@ -241,6 +241,30 @@ async def chat_text(state: ServerState, req: schema.ChatCompletionRequest) -> st
         return await off_loop(chat.work, run)
 
 
+async def chat_token_count(state: ServerState, req: schema.ChatCompletionRequest) -> int:
+    """How many prompt tokens ``req`` renders to (llama-server's ``/chat/completions/input_tokens``).
+
+    *Cancellation*: as ``chat_text``.
+    """
+    refuse_unsupported(req)
+    engine, info = ready(state)
+    chat = _chat(req, info)
+
+    def run() -> int:
+        tokens = chat_tokens(
+            info.template,
+            engine.vocab,
+            chat.messages,
+            chat.template_tools,
+            add_generation_prompt=chat.generation_prompt,
+            continue_final=chat.continues,
+        )
+        return len(tokens)
+
+    with tokenizing("messages"):
+        return await off_loop(chat.work, run)
+
+
 def continues_final(req: schema.ChatCompletionRequest, messages: list[dict[str, Any]], *, constrained: bool) -> bool:
     """Whether the answer continues the conversation's last message (an assistant's: prefill)
     rather than starting a new one; the combinations that make no sense are 400s."""
