@@ -4,6 +4,7 @@ counts, round trips and effects; never the text a sampled or near-tie greedy ans
 from __future__ import annotations
 
 import json
+import pathlib
 import threading
 
 import httpx
@@ -359,8 +360,13 @@ def test_slot_actions_without_a_folder(server: ServerProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def configured(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("slots")
+def slot_folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("slots")
+
+
+@pytest.fixture(scope="module")
+def configured(slot_folder: pathlib.Path):
+    folder = slot_folder
     args = ["--parallel", "1", "--ctx-size", "512", "--threads", "2", "--no-slots", "--seed", "7", "--temp", "0"]
     args += ["--chat-template", "llama3", "--cors-origin", "localhost"]
     with serving([*args, "--slot-save-path", str(folder)]) as proc:
@@ -394,4 +400,68 @@ def test_slot_file_names_stay_in_the_folder(configured: ServerProcess, filename:
 def test_slot_actions_are_checked(configured: ServerProcess) -> None:
     native_error(post(configured, "/slots/5?action=save", {"filename": "a.bin"}), 400)
     native_error(post(configured, "/slots/0?action=explode", {"filename": "a.bin"}), 400)
-    native_error(post(configured, "/slots/0?action=restore", {"filename": "a.bin"}), 501, "not_supported_error")
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "missing.bin"}), 404, "not_found_error")
+
+
+def test_slot_save_erase_restore(configured: ServerProcess) -> None:
+    prompt = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
+    body = {"prompt": prompt, "n_predict": 2, "ignore_eos": True}
+    first = post(configured, "/completion", body).json()
+    n_prompt = first["tokens_evaluated"]
+    saved = post(configured, "/slots/0?action=save", {"filename": "story.bin"}).json()
+    assert saved["n_saved"] >= n_prompt and saved["n_written"] > 0 and saved["timings"]["save_ms"] >= 0
+    erased = post(configured, "/slots/0?action=erase", {}).json()
+    assert erased == {"id_slot": 0, "n_erased": saved["n_saved"]}
+    assert post(configured, "/completion", body).json()["timings"]["cache_n"] == 0  # gone: computed again
+    post(configured, "/slots/0?action=erase", {})
+    restored = post(configured, "/slots/0?action=restore", {"filename": "story.bin"}).json()
+    assert restored["n_restored"] == saved["n_saved"] and restored["n_read"] == saved["n_written"]
+    # The restored cells serve the prompt again, as the first request's did.
+    again = post(configured, "/completion", body).json()
+    assert again["timings"]["cache_n"] >= n_prompt - 1
+
+
+def test_slot_files_are_checked(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
+    post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
+    assert post(configured, "/slots/0?action=save", {"filename": "good.bin"}).status_code == 200
+    good = (slot_folder / "good.bin").read_bytes()
+    (slot_folder / "bad.bin").write_bytes(b"not a slot" + good[10:])
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "bad.bin"}), 400)
+    (slot_folder / "cut.bin").write_bytes(good[:20])
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "cut.bin"}), 400)
+    (slot_folder / "other.bin").write_bytes(good.replace(b"fp_", b"fx_", 1))  # another model's
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "other.bin"}), 400)
+    (slot_folder / "link.bin").symlink_to(slot_folder / "good.bin")
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "link.bin"}), 400)
+    assert post(configured, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200
+    assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_busy_slot_is_a_409(configured: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "n_predict": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", configured.url + "/completion", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        error = native_error(post(configured, "/slots/0?action=save", {"filename": "busy.bin"}), 409)
+        assert "running" in error["message"]
+    wait_for(lambda: configured.metrics()["llama_trio_active_sequences"] == 0, "the sequence freed", 60)
+
+
+def test_slots_stay_within_a_tenant(tmp_path: pathlib.Path) -> None:
+    args = ["--parallel", "1", "--ctx-size", "512", "--threads", "2", "--api-key", "alice", "--api-key", "bob"]
+    with serving([*args, "--slot-save-path", str(tmp_path)]) as server:
+
+        def as_(key: str, path: str, body: dict) -> httpx.Response:
+            return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+        as_("alice", "/completion", {"prompt": "Alice's secret plan is to", "n_predict": 1})
+        # Bob can neither save nor erase what Alice's request left in the sequence.
+        native_error(as_("bob", "/slots/0?action=save", {"filename": "x.bin"}), 409)
+        native_error(as_("bob", "/slots/0?action=erase", {}), 409)
+        assert as_("alice", "/slots/0?action=save", {"filename": "alice.bin"}).status_code == 200
+        # Nor restore, nor overwrite, Alice's file.
+        native_error(as_("bob", "/slots/0?action=restore", {"filename": "alice.bin"}), 404, "not_found_error")
+        native_error(as_("bob", "/slots/0?action=save", {"filename": "alice.bin"}), 409)
+        assert as_("alice", "/slots/0?action=restore", {"filename": "alice.bin"}).status_code == 200
+        anonymous = httpx.post(server.url + "/slots/0?action=erase", json={})
+        assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from server.api import native_render, native_schema
+from server.api import native_render, native_schema, slot_file
 from server.api.native_infill import Extra, Fim, extra_chunks, infill_tokens
 from server.engine import TokenLogprob, Usage
 
@@ -153,3 +153,37 @@ def test_extra_chunks_are_checked() -> None:
     for bad in ({}, [{}], [{"filename": "ok"}], [{"filename": 1, "text": "a"}], [{"text": 5}]):
         with pytest.raises(native_schema.NativeError):
             extra_chunks(bad)
+
+
+def test_slot_file_round_trip(tmp_path) -> None:
+    path = str(tmp_path / "s.bin")
+    written = slot_file.write(path, "fp_1", "a:", [5, 70000, 0], b"\x01\x02state")
+    tokens, state, size = slot_file.read(path, "fp_1", "a:")
+    assert (tokens, state, size) == ([5, 70000, 0], b"\x01\x02state", written)
+    with pytest.raises(slot_file.SlotFileError, match="another model"):
+        slot_file.read(path, "fp_2", "a:")
+    with pytest.raises(slot_file.NotOwner):  # another tenant: neither read nor replaced
+        slot_file.read(path, "fp_1", "b:")
+    with pytest.raises(slot_file.NotOwner):
+        slot_file.write(path, "fp_1", "b:", [1], b"x")
+    assert b"a:" not in (tmp_path / "s.bin").read_bytes()  # the owner only as a digest
+    raw = (tmp_path / "s.bin").read_bytes()
+    for bad in (b"", b"LLTRSLOT", raw[:-12], b"X" + raw[1:]):
+        with pytest.raises(slot_file.SlotFileError):
+            slot_file.decode(bad, "fp_1", "a:")
+    assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
+
+
+def test_slot_op_refusals() -> None:
+    from server.engine.choice import Slot
+    from server.engine.slot_ops import SlotBusy, SlotOp, refusal
+
+    slot = Slot(0)
+    assert refusal(SlotOp("save", 0, "a:"), slot) is None  # empty: anyone's
+    slot.cached, slot.scope = [1, 2], "b:"
+    assert isinstance(refusal(SlotOp("save", 0, "a:"), slot), SlotBusy)  # another tenant's cache
+    assert isinstance(refusal(SlotOp("erase", 0, "a:"), slot), SlotBusy)
+    assert refusal(SlotOp("restore", 0, "a:"), slot) is None  # replaces it, reads nothing
+    assert refusal(SlotOp("save", 0, "b:"), slot) is None
+    slot.choice = object()  # type: ignore[assignment]
+    assert isinstance(refusal(SlotOp("restore", 0, "b:"), slot), SlotBusy)

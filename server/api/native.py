@@ -38,6 +38,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    409: "invalid_request_error",  # a busy slot: try again later
     501: "not_supported_error",
     503: "unavailable_error",
 }

@@ -8,7 +8,8 @@
 - ``choice``: one choice of a job in the engine (its state, its sequence) and the ``Pieces`` its caller reads;
 - ``decode_thread``: the one thread that runs llama.cpp's long calls; ``step``: what it runs each
   step (fill the batch, decode, sample);
-- ``driver``: the ``Engine`` task and ``open_engine``.
+- ``driver``: the ``Engine`` task and ``open_engine``;
+- ``slot_ops``: save, restore and erase of one idle sequence, between steps (llama-server's slots).
 """
 
 from server.engine.choice import Pieces
@@ -30,6 +31,7 @@ from server.engine.jobs import (
     TokenLogprob,
     Usage,
 )
+from server.engine.slot_ops import SlotBusy, SlotOp, SlotStateRejected
 
 __all__ = [
     "ConstraintFailed",
@@ -48,6 +50,9 @@ __all__ = [
     "Pieces",
     "SequenceView",
     "ShuttingDown",
+    "SlotBusy",
+    "SlotOp",
+    "SlotStateRejected",
     "TokenLogprob",
     "Usage",
     "open_engine",

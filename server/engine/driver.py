@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 import trio
 
 import ffi
-from server.engine import scheduler
+from server.engine import scheduler, slot_ops
 from server.engine.choice import Choice, Pieces, Slot
 from server.engine.config import KV_STATS_EVERY, EngineConfig, EngineStats
 from server.engine.decode_thread import DecodeThread
@@ -42,7 +42,6 @@ from server.engine.jobs import (
     Overloaded,
     Phase,
     Piece,
-    SequenceView,
     ShuttingDown,
     Usage,
 )
@@ -92,6 +91,7 @@ class Engine:
         self._outbox: list[tuple[Choice, Piece, bool]] = []  # pieces for ``_hand_out``
         self._mask = ffi.TokenMask(self.vocab.n_tokens)  # scratch for constrained sampling
         self._placer = Placer(self.context, self.stats, config.cache_bytes)
+        self.slot_ops = slot_ops.SlotOpQueue(self.context, self._slots, thread, self._wake, lambda: self._accepting)
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -168,18 +168,6 @@ class Engine:
                 slot.choice.end_with(error)
         self._wake()
 
-    def sequences(self) -> list[SequenceView]:
-        """What each sequence is doing now (counts only)."""
-        views = []
-        for slot in self._slots:
-            choice = slot.choice
-            if choice is None:
-                views.append(SequenceView(slot.seq_id, False, len(slot.cached)))
-            else:
-                prompt, generated = len(choice.prompt), choice.n_generated
-                views.append(SequenceView(slot.seq_id, True, len(slot.cached), prompt, generated, choice.phase))
-        return views
-
     @property
     def busy(self) -> bool:
         return bool(self._queue) or any(s.choice is not None for s in self._slots)
@@ -197,6 +185,8 @@ class Engine:
         try:
             while True:
                 self._reap()
+                if self.slot_ops.pending:
+                    await self.slot_ops.run_pending(meanwhile=self._hand_out)
                 self._admit()
                 if self._placer.pending:
                     # Saving or restoring prompt caches: C work, between decode steps.
@@ -234,6 +224,7 @@ class Engine:
             self._hand_out()
             self.abort_all(ShuttingDown("server is shutting down"))
             self._reap()
+            self.slot_ops.fail_all(ShuttingDown("server is shutting down"))
 
     def _reap(self) -> None:
         """Drop released jobs: queued ones leave the queue, running ones free their cells."""
@@ -413,16 +404,8 @@ class Engine:
         stats = self.stats
         stats.active = sum(1 for s in self._slots if s.choice is not None)
         stats.queued = len(self._queue)
-        if not kv:
-            return
-        used = cached = 0
-        for slot in self._slots:
-            cells = self.context.seq_cells(slot.seq_id)
-            used += cells
-            if slot.choice is None:
-                cached += cells
-        stats.kv_cells_used = used
-        stats.kv_cells_cached = cached
+        if kv:
+            stats.kv_cells_used, stats.kv_cells_cached = slot_ops.cell_counts(self.context, self._slots)
 
     def close(self) -> None:
         """Free the context, batch and samplers. Idempotent; call only after ``run`` ended."""
