@@ -12,6 +12,8 @@ download.
   fails, as it should.
 
 The process execs the server, so the suite's ``terminate()`` reaches the server itself.
+``--threads`` gives both servers the same CPU threads where the suite sets none (on a shared
+machine, llama.cpp's threads that wait on each other stall when one is preempted).
 """
 
 from __future__ import annotations
@@ -126,9 +128,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--target", choices=["llama-server", "ours"], required=True)
     parser.add_argument("--llama-server", help="llama-server binary (for --target llama-server)")
     parser.add_argument("--checkout", default=".", help="the checkout whose server is ours (for --target ours)")
+    parser.add_argument("--threads", type=int, help="CPU threads for either server, unless the suite sets them")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="llama-server's command line, after --")
     ns = parser.parse_args(argv)
     rest = ns.rest[1:] if ns.rest[:1] == ["--"] else ns.rest
+    if ns.threads is not None and not {"--threads", "-t"} & set(rest):
+        rest = [*rest, "--threads", str(ns.threads)]
     if ns.target == "llama-server":
         exe = ns.llama_server
         if not exe:
