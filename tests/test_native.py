@@ -230,7 +230,7 @@ def test_logit_bias_forms(server: ServerProcess) -> None:
 
 def test_refused_and_neutral_fields(server: ServerProcess) -> None:
     body = {"prompt": PROMPT, "n_predict": 1}
-    for field, value in [("mirostat", 2), ("typical_p", 0.5), ("id_slot", 1), ("post_sampling_probs", True)]:
+    for field, value in [("mirostat", 2), ("typical_p", 0.5), ("id_slot", 9), ("post_sampling_probs", True)]:
         error = native_error(post(server, "/completion", {**body, field: value}), 400)
         assert field in error["message"]
     native_error(post(server, "/completion", {**body, "mirostat_tau": 3.0, "mirostat": 1}), 400)
@@ -346,6 +346,20 @@ def test_slots_follow_a_running_job(server: ServerProcess) -> None:
         worker.join(600)
     assert answers and answers[0].status_code == 200
     assert not any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
+
+
+def test_id_slot_pins_the_sequence(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT + " (pinned)", "n_predict": 2, "ignore_eos": True, "id_slot": 2}
+    answer = post(server, "/completion", body).json()
+    assert answer["id_slot"] == 2
+    # The sequence holds this prompt and what was generated after it (the last token may not be in KV).
+    cached = httpx.get(server.url + "/slots").json()[2]["n_cached_tokens"]
+    assert answer["tokens_evaluated"] <= cached <= answer["tokens_evaluated"] + 2
+    assert post(server, "/completion", {**body, "n": 2}).status_code == 400  # one answer, one slot
+    chat = {"messages": [{"role": "user", "content": "Hi, slot one"}], "max_tokens": 1, "id_slot": 1}
+    usage = post(server, "/v1/chat/completions", chat).json()["usage"]
+    cached = httpx.get(server.url + "/slots").json()[1]["n_cached_tokens"]
+    assert usage["prompt_tokens"] <= cached <= usage["total_tokens"]
 
 
 def test_infill_needs_fim_tokens(server: ServerProcess) -> None:

@@ -68,7 +68,7 @@ def test_aliases_clamps_and_limits() -> None:
         ({"repeat_last_n": 128, "repeat_penalty": 1.1}, "repeat_last_n"),
         ({"repeat_last_n": 64, "repeat_penalty": 1.1}, None),
         ({"id_slot": -1, "cache_prompt": False, "n_keep": 10}, None),
-        ({"id_slot": 0}, "id_slot"),
+        ({"id_slot": 0}, None),  # a field of ours
         ({"lora": [{"id": 0, "scale": 1.0}]}, "lora"),
         ({"whatever": 1}, "whatever"),
         ({"whatever": None}, None),

@@ -15,7 +15,7 @@ from server.engine import TokenLogprob, Usage
 
 TokenBytes = Callable[[int], bytes]
 LOWEST_LOGPROB = -3.4028234663852886e38  # llama-server's stand-in for log(0): JSON has no -inf
-NO_SLOT = -1  # which sequence ran a job is the engine's business; the field says "none named"
+NO_SLOT = -1  # which sequence ran a job is the engine's business unless the request named one
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,7 @@ class Final:
     generated: str  # the text of every generated token (stop string included)
     prompt: str  # the prompt's text, special tokens written out
     probabilities: list[dict[str, Any]] | None  # None: not asked for
+    id_slot: int = NO_SLOT  # the sequence it ran in, when the request named one
 
 
 def final_object(
@@ -189,7 +190,7 @@ def final_object(
         "index": final.index,
         "content": "" if stream else final.content,
         "tokens": [] if stream or not options.return_tokens else list(final.tokens),
-        "id_slot": NO_SLOT,
+        "id_slot": final.id_slot,
         "stop": True,
         "model": model,
         "tokens_predicted": n_generated,
@@ -217,6 +218,7 @@ def partial_object(
     n_prompt: int,
     probs: list[dict[str, Any]] | None,
     timing: dict[str, Any] | None,
+    id_slot: int = NO_SLOT,
 ) -> dict[str, Any]:
     """One streamed piece: its text and tokens, counts so far, and when asked its tokens'
     probabilities and the timings so far (``timings_per_token``)."""
@@ -225,7 +227,7 @@ def partial_object(
         "content": text,
         "tokens": list(tokens),
         "stop": False,
-        "id_slot": NO_SLOT,
+        "id_slot": id_slot,
         "tokens_predicted": n_generated,
         "tokens_evaluated": n_prompt,
     }

@@ -55,7 +55,6 @@ OFF_VALUES: dict[str, Callable[[Any], bool]] = {
     "grammar_lazy": lambda v: v is False,
     "verbose": lambda v: v is False,
     "lora": lambda v: v == [],
-    "id_slot": lambda v: _off(v, lambda x: x == -1),
 }
 # field -> the field that must be off for it to change nothing
 TUNES = {
@@ -186,6 +185,7 @@ COMPLETION_FIELDS = frozenset(
         "json_schema",
         "grammar",
         "cache_salt",
+        "id_slot",
     }
 )
 
@@ -284,6 +284,7 @@ def completion_request(
         "json_schema": _json_schema(body),
         "grammar": _grammar(body),
         "cache_salt": body.get("cache_salt"),
+        "id_slot": _number(body, "id_slot", -1, 2**31 - 1, None, integer=True),
     }
     req = schema.CompletionRequest.model_construct(**internal)
     options = NativeOptions(

@@ -141,6 +141,8 @@ class CommonFields(_Request):
     response_format: ResponseFormat | None = None
     json_schema: dict[str, Any] | None = None
     grammar: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    # llama-server's: run in this sequence (reusing what it holds, e.g. a restored slot); -1: any.
+    id_slot: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
 
     @field_validator("stop")
     @classmethod

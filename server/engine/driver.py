@@ -134,6 +134,8 @@ class Engine:
                 )
         if not 1 <= job.n_choices <= self.config.n_parallel:
             raise ValueError(f"a job's choices must number between 1 and {self.config.n_parallel}")
+        if job.slot is not None and not (0 <= job.slot < self.config.n_parallel and job.n_choices == 1):
+            raise ValueError(f"a pinned job has one choice, in a sequence below {self.config.n_parallel}")
         if not self._accepting:
             return ShuttingDown("server is shutting down")
         if len(self._queue) >= self.config.max_queue:
@@ -257,6 +259,9 @@ class Engine:
     def _admit(self) -> None:
         free = [s for s in self._slots if s.choice is None]
         while self._queue and len(free) >= self._queue[0].job.n_choices:
+            pinned = self._queue[0].job.slot  # the job waits for that sequence (FIFO holds)
+            if pinned is not None and self._slots[pinned] not in free:
+                break
             choice = self._queue.popleft()
             job = choice.job
             try:
@@ -268,7 +273,11 @@ class Engine:
                 continue
             slots: dict[Choice, Slot] = {}
             for source in (m for m in choice.members if m.source is m):
-                slots[source] = self._placer.place(free, source, job.cache_scope)
+                if pinned is not None:
+                    free.remove(self._slots[pinned])
+                    slots[source] = self._placer.place([self._slots[pinned]], source, job.cache_scope)
+                else:
+                    slots[source] = self._placer.place(free, source, job.cache_scope)
             # The copies' sequences get the source's cells: the least recently used free
             # sequences give theirs up.
             free.sort(key=lambda s: s.last_used)
@@ -277,16 +286,8 @@ class Engine:
                     slots[member] = free.pop(0)
                     self._placer.evict(slots[member])
             for member, sampler in zip(choice.members, samplers, strict=True):
-                slot = slots[member]
                 self._tick += 1
-                slot.last_used = self._tick
-                slot.scope = job.cache_scope
-                slot.choice = member
-                member.slot = slot
-                member.phase = Phase.PREFILL
-                member.sampler = sampler
-                member.matcher = job.grammar.matcher() if job.grammar is not None else None
-                member.detok = ffi.Detokenizer(self.vocab)
+                member.start(slots[member], sampler, self.vocab, self._tick)
         self.stats.queued = len(self._queue)
 
     def _plan(self) -> list[scheduler.PlanEntry]:
