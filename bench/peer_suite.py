@@ -244,9 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, copies)")
     parser.add_argument("--no-build", action="store_true", help="do not build llama-server when missing")
     parser.add_argument("--out", default=str(RESULTS_DIR / "peer_suite.json"), help="where the results go (JSON)")
+    parser.add_argument(
+        "--load",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: compare the sides of earlier runs' --out files (e.g. each side run on its own)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.files = list(QUICK_FILES)
+    if args.load:
+        files, loaded = load(args.load)
+        report(files, loaded, pathlib.Path(args.out))
+        return 0
     llama_server = llama_tool("llama-server", build=not args.no_build) if "llama-server" in args.sides else None
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="peer-suite-"))
     try:
@@ -258,6 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep:
         print(f"peer suite: logs and copies kept in {scratch}")
     return 0
+
+
+def load(paths: list[str]) -> tuple[list[str], dict[str, SideResult]]:
+    """The files and sides of earlier runs' JSON (a later file's side replaces an earlier's)."""
+    files: list[str] = []
+    results: dict[str, SideResult] = {}
+    for path in paths:
+        data = json.loads(pathlib.Path(path).read_text())
+        files += [f for f in data["files"] if f not in files]
+        for side, entry in data["sides"].items():
+            tests = {k: Outcome(**v) for k, v in entry["tests"].items()}
+            results[side] = SideResult(side, entry["seconds"], tests)
+    return files, results
 
 
 def report(files: list[str], results: dict[str, SideResult], out: pathlib.Path) -> None:
