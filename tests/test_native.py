@@ -306,6 +306,19 @@ def test_chat_prefill_continues_the_message(server: ServerProcess) -> None:
     assert post(server, "/v1/chat/completions", alone).status_code == 400
 
 
+def test_llama_server_response_formats_on_the_openai_route(server: ServerProcess) -> None:
+    ask = {"messages": [{"role": "user", "content": "Pick a color."}], "max_tokens": 12}
+    colors = {"enum": ["red", "green", "blue"]}
+    for form in (
+        {"type": "json_object", "schema": colors},  # llama-server's: an object type with a schema
+        {"type": "json_schema", "json_schema": {"schema": colors}},  # no name: llama-server and vLLM take it
+    ):
+        answer = post(server, "/v1/chat/completions", {**ask, "response_format": form}).json()
+        assert json.loads(answer["choices"][0]["message"]["content"]) in colors["enum"]
+    misplaced = post(server, "/v1/chat/completions", {**ask, "response_format": {"type": "text", "schema": colors}})
+    assert misplaced.status_code == 400 and misplaced.json()["error"]["param"] == "response_format.schema"
+
+
 # -- /props, /slots, /infill ----------------------------------------------------------------------
 
 

@@ -107,8 +107,12 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
     """(kind, source, param) of the request's constraint, from whichever field asked for one."""
     specs: list[tuple[GrammarKind, str, str]] = []
     form = req.response_format
+    if form is not None and form.object_schema is not None and form.type != "json_object":
+        message = "response_format.schema goes with type json_object (json_schema's goes in json_schema.schema)"
+        raise ApiError(400, message, param="response_format.schema", code="invalid_value")
     if form is not None and form.type == "json_object":
-        specs.append(("json_schema", '{"type": "object"}', "response_format"))
+        shape = '{"type": "object"}' if form.object_schema is None else _compact(form.object_schema)
+        specs.append(("json_schema", shape, "response_format"))
     elif form is not None and form.type == "json_schema":
         if form.json_schema is None or form.json_schema.json_schema is None:
             param = "response_format.json_schema" + (".schema" if form.json_schema is not None else "")

@@ -104,6 +104,8 @@ class JsonSchemaFormat(_Request):
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # llama-server's: a JSON object that follows this schema (with type json_object).
+    object_schema: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
 class StreamOptions(_Request):
