@@ -216,6 +216,9 @@ def test_prompt_forms(server: ServerProcess) -> None:
     assert wrapped["content"] == from_text
     native_error(post(server, "/completion", {**body, "prompt": {"prompt_string": "x", "multimodal_data": "AAA"}}), 400)
     native_error(post(server, "/completion", {"n_predict": 1}), 400)
+    for bad in ([1, -3, 5], [[1, -3]], [1, True, "x"], [10**9], ["x", -1]):  # ids outside the vocabulary
+        native_error(post(server, "/completion", {**body, "prompt": bad}), 400)
+    assert httpx.get(server.url + "/health").status_code == 200  # still up
 
 
 def test_logit_bias_forms(server: ServerProcess) -> None:

@@ -47,9 +47,10 @@ NATIVE_FIELDS = [
     "repeat_last_n",
     "repeat_penalty",
 ]
-token_ids = st.integers(-5, 60_000)
+token_ids = st.one_of(st.integers(-5, 60_000), st.integers(-5, 3), st.sampled_from([49151, 49152, 2**31, -(2**31)]))
 prompts = st.one_of(
     texts,
+    st.lists(st.integers(-3, 3), min_size=1, max_size=3),
     st.lists(token_ids, min_size=1, max_size=8),
     st.lists(st.one_of(token_ids, texts), min_size=1, max_size=5),
     st.lists(st.one_of(texts, st.lists(token_ids, max_size=4)), max_size=3),

@@ -218,6 +218,10 @@ def _mixed(value: list[int | str], vocab: native_schema.Tokenizer) -> list[int]:
     for i, part in enumerate(value):
         if isinstance(part, str):
             tokens += vocab.tokenize(part, add_special=i == 0, parse_special=True)
+        elif isinstance(part, bool) or not 0 <= part < vocab.n_tokens:
+            raise native_schema.NativeError(
+                f"token {part} is not in the vocabulary ({vocab.n_tokens} tokens)", "prompt"
+            )
         else:
             tokens.append(part)
     return tokens

@@ -302,7 +302,8 @@ def _completion_prompts(req: schema.CompletionRequest, n_vocab: int) -> list[str
     for i, p in enumerate(prompts):
         if isinstance(p, list):
             for j, token in enumerate(p):
-                if token >= n_vocab:
+                # Checked here too (not only by the schema): a dialect may build the request.
+                if not 0 <= token < n_vocab:
                     where = f"prompt[{j}]" if len(prompts) == 1 and isinstance(prompt[0], int) else f"prompt[{i}][{j}]"
                     message = f"token {token} is not in the vocabulary ({n_vocab} tokens)"
                     raise ApiError(400, message, param=where, code="invalid_value")
