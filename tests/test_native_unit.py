@@ -48,6 +48,12 @@ def test_aliases_clamps_and_limits() -> None:
         parse(stream="yes")
     with pytest.raises(native_schema.NativeError):
         parse(stop=[1])
+    with pytest.raises(native_schema.NativeError):  # the OpenAI routes' bounds hold here too
+        parse(stop=["x"] * 17)
+    with pytest.raises(native_schema.NativeError):
+        parse(cache_salt="")
+    with pytest.raises(native_schema.NativeError):
+        parse(logit_bias=[[1, 1]] * 301)
 
 
 @pytest.mark.parametrize(

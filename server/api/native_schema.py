@@ -260,6 +260,11 @@ def completion_request(
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise NativeError("stop must be a string or a list of strings", "stop")
     stop = [s for s in stop if s]
+    if len(stop) > schema.MAX_STOP_STRINGS:
+        raise NativeError(f"at most {schema.MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= schema.MAX_CACHE_SALT):
+        raise NativeError(f"cache_salt must be a string of 1 to {schema.MAX_CACHE_SALT} characters", "cache_salt")
     fields = body.get("response_fields") or []
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise NativeError("response_fields must be a list of strings", "response_fields")
@@ -283,7 +288,7 @@ def completion_request(
         "logprobs": n_probs if n_probs else None,
         "json_schema": _json_schema(body),
         "grammar": _grammar(body),
-        "cache_salt": body.get("cache_salt"),
+        "cache_salt": salt,
         "id_slot": _number(body, "id_slot", -1, 2**31 - 1, None, integer=True),
     }
     req = schema.CompletionRequest.model_construct(**internal)
@@ -334,6 +339,8 @@ def logit_bias(value: Any, vocab: Tokenizer, *, ignore_eos: bool = False) -> dic
         items = [[k, v] for k, v in value.items()]
     else:
         raise NativeError("logit_bias must be a list of [token, bias] pairs or an object", "logit_bias")
+    if len(items) > schema.MAX_LOGIT_BIAS:
+        raise NativeError(f"at most {schema.MAX_LOGIT_BIAS} logit_bias entries, got {len(items)}", "logit_bias")
     out: dict[str, float] = {}
     for i, item in enumerate(items):
         if not isinstance(item, list) or len(item) != 2:
