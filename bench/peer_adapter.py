@@ -94,15 +94,16 @@ def llama_server_args(argv: Sequence[str]) -> list[str]:
     return out if has_model else [*out, "--model", _default_model()]
 
 
-def our_args(argv: Sequence[str]) -> list[str]:
-    """llama-server's command line as ours (see the module's docstring)."""
+def our_args(argv: Sequence[str], drop_switches: Sequence[str] = (), drop_values: Sequence[str] = ()) -> list[str]:
+    """llama-server's command line as ours (see the module's docstring); ``drop_switches`` and
+    ``drop_values`` also dropped (an older checkout that lacks them, for a before/after)."""
     out: list[str] = []
     args = list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
         value = args[i + 1] if i + 1 < len(args) else None
-        if arg in MAPPED and value is not None:
+        if arg in MAPPED and value is not None and arg not in drop_values:
             if not (arg == "--n-predict" and int(value) < 0):  # -1: no ceiling, ours without --max-tokens
                 out += [MAPPED[arg], value]
             i += 2
@@ -110,12 +111,12 @@ def our_args(argv: Sequence[str]) -> list[str]:
             for origin in value.split(","):
                 out += ["--cors-origin", origin.strip()]
             i += 2
-        elif arg in SWITCHES:
+        elif arg in SWITCHES and arg not in drop_switches:
             out.append(SWITCHES[arg])
             i += 1
-        elif arg in DROPPED_SWITCHES:
+        elif arg in DROPPED_SWITCHES or arg in drop_switches:
             i += 1
-        elif arg in DROPPED_VALUES:
+        elif arg in DROPPED_VALUES or arg in drop_values:
             i += 2
         else:
             out.append(arg)
@@ -129,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--llama-server", help="llama-server binary (for --target llama-server)")
     parser.add_argument("--checkout", default=".", help="the checkout whose server is ours (for --target ours)")
     parser.add_argument("--threads", type=int, help="CPU threads for either server, unless the suite sets them")
+    parser.add_argument("--drop-switch", action="append", default=[], help="also drop this flag (ours)")
+    parser.add_argument("--drop-value", action="append", default=[], help="also drop this flag and its value (ours)")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="llama-server's command line, after --")
     ns = parser.parse_args(argv)
     rest = ns.rest[1:] if ns.rest[:1] == ["--"] else ns.rest
@@ -140,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("--llama-server is needed for --target llama-server")
         command = [exe, *llama_server_args(rest)]
     else:
-        command = [sys.executable, "-m", "server", *our_args(rest)]
+        command = [sys.executable, "-m", "server", *our_args(rest, ns.drop_switch, ns.drop_value)]
         os.chdir(ns.checkout)  # python -m server runs that checkout's server
     print("peer adapter: " + " ".join(command), file=sys.stderr, flush=True)
     os.execv(command[0], command)

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bench.common import BUILD_SCRIPT, REPO_ROOT, RESULTS_DIR, llama_tool, markdown_table
@@ -131,7 +132,12 @@ def suite_dir() -> pathlib.Path:
 
 
 def prepare_copy(
-    scratch: pathlib.Path, side: str, llama_server: pathlib.Path | None, checkout: pathlib.Path, threads: int
+    scratch: pathlib.Path,
+    side: str,
+    llama_server: pathlib.Path | None,
+    checkout: pathlib.Path,
+    threads: int,
+    drops: Sequence[str] = (),
 ) -> pathlib.Path:
     """The suite copied under ``scratch``, with the runner's plugin, stand-ins and launcher (our
     server from ``checkout``)."""
@@ -148,7 +154,7 @@ def prepare_copy(
             (tests / f"{module}.py").write_text(text)
     launcher = tests / "server-adapter"
     extra = f" --llama-server {llama_server}" if llama_server is not None else f' --checkout "{checkout}"'
-    extra += f" --threads {threads}"
+    extra += f" --threads {threads}" + "".join(f" {flag}" for flag in drops)
     launcher.write_text(
         "#!/bin/sh\n"
         f'cd "{REPO_ROOT}" || exit 1\n'
@@ -162,7 +168,9 @@ def run_side(
     side: str, files: list[str], scratch: pathlib.Path, llama_server: pathlib.Path | None, args: argparse.Namespace
 ) -> SideResult:
     binary = llama_server if side == "llama-server" else None
-    tests = prepare_copy(scratch, side, binary, args.ours_checkout, args.threads)
+    drops = [] if side == "llama-server" else [f"--drop-switch={f}" for f in args.drop_switch]
+    drops += [] if side == "llama-server" else [f"--drop-value={f}" for f in args.drop_value]
+    tests = prepare_copy(scratch, side, binary, args.ours_checkout, args.threads, drops)
     report = tests / "report.xml"
     env = {
         **os.environ,
@@ -240,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         type=pathlib.Path,
         default=REPO_ROOT,
         help="the checkout whose server is ours (default: this one; e.g. an older commit's, for a before/after)",
+    )
+    parser.add_argument(
+        "--drop-switch", action="append", default=[], help="a llama-server flag to leave out for ours (older checkouts)"
+    )
+    parser.add_argument(
+        "--drop-value", action="append", default=[], help="a llama-server flag and its value to leave out for ours"
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, copies)")
     parser.add_argument("--no-build", action="store_true", help="do not build llama-server when missing")
