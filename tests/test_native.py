@@ -371,7 +371,11 @@ def test_id_slot_pins_the_sequence(server: ServerProcess) -> None:
     # The sequence holds this prompt and what was generated after it (the last token may not be in KV).
     cached = httpx.get(server.url + "/slots").json()[2]["n_cached_tokens"]
     assert answer["tokens_evaluated"] <= cached <= answer["tokens_evaluated"] + 2
-    assert post(server, "/completion", {**body, "n": 2}).status_code == 400  # one answer, one slot
+    # With n = 2 the prompt runs in the named slot, its copy in another.
+    both = post(server, "/completion", {**body, "n": 2, "id_slot": 3}).json()
+    assert [a["id_slot"] for a in both] == [3, -1] and all(a["tokens_predicted"] == 2 for a in both)
+    assert httpx.get(server.url + "/slots").json()[3]["n_cached_tokens"] >= answer["tokens_evaluated"]
+    assert post(server, "/completion", {**body, "prompt": [PROMPT, PROMPT]}).status_code == 400  # two prompts
     chat = {"messages": [{"role": "user", "content": "Hi, slot one"}], "max_tokens": 1, "id_slot": 1}
     usage = post(server, "/v1/chat/completions", chat).json()["usage"]
     cached = httpx.get(server.url + "/slots").json()[1]["n_cached_tokens"]

@@ -131,7 +131,7 @@ async def _complete(state: ServerState, *, infill: bool) -> Response:
             generated=vocab.detokenize(choice.tokens) if context.options.stop else choice.text,
             prompt=context.prompts[index // prepared.job.n],
             probabilities=probs if context.options.n_probs else None,
-            id_slot=native_render.NO_SLOT if prepared.job.slot is None else prepared.job.slot,
+            id_slot=native_render.NO_SLOT if prepared.job.slot is None or index else prepared.job.slot,
         )
         answers.append(
             native_render.final_object(

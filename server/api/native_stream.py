@@ -48,6 +48,7 @@ class NativeStream:
         n = prepared.job.n_choices
         self._texts: list[list[str]] = [[] for _ in range(n)]
         self._tokens: list[list[int]] = [[] for _ in range(n)]
+        # The named slot ran the first choice; copies (n > 1) ran elsewhere.
         self._id_slot = native_render.NO_SLOT if prepared.job.slot is None else prepared.job.slot
         self._first: float | None = None
         self._last: float | None = None
@@ -87,7 +88,7 @@ class NativeStream:
             n_prompt=self._n_prompt(index),
             probs=probs,
             timing=timing,
-            id_slot=self._id_slot,
+            id_slot=self._id_slot if index == 0 else native_render.NO_SLOT,
         )
         return (sse.event(payload),)
 
@@ -104,7 +105,7 @@ class NativeStream:
             generated=self._detokenize(self._tokens[index]) if context.options.stop else content,
             prompt=context.prompts[index // self._prepared.job.n],
             probabilities=None,
-            id_slot=self._id_slot,
+            id_slot=self._id_slot if index == 0 else native_render.NO_SLOT,
         )
         payload = native_render.final_object(
             final,

@@ -125,7 +125,7 @@ async def prepare_request(state: ServerState, req: schema.ChatCompletionRequest 
         what = f"n is {n}" if len(all_tokens) == 1 else f"{len(all_tokens)} prompts x n {n}"
         message = f"{what}; this server decodes at most {state.settings.parallel} sequences at once (--parallel)"
         raise ApiError(400, message, param="n" if len(all_tokens) == 1 else "prompt", code="invalid_value")
-    slot = _pinned_slot(req, n * len(all_tokens), state.settings.parallel)
+    slot = _pinned_slot(req, len(all_tokens), state.settings.parallel)
     max_tokens, ceiling = prompt.max_tokens, state.settings.max_tokens
     if ceiling is not None:
         max_tokens = min(max_tokens or ceiling, ceiling)
@@ -310,15 +310,15 @@ def _completion_prompts(req: schema.CompletionRequest, n_vocab: int) -> list[str
     return prompts
 
 
-def _pinned_slot(req: schema.CommonFields, n_choices: int, parallel: int) -> int | None:
-    """The sequence ``id_slot`` names, or None (-1, or none given)."""
+def _pinned_slot(req: schema.CommonFields, n_prompts: int, parallel: int) -> int | None:
+    """The sequence ``id_slot`` names for the prompt (its first choice), or None (-1, or none)."""
     if req.id_slot is None or req.id_slot == -1:
         return None
     if req.id_slot >= parallel:
         message = f"id_slot {req.id_slot}: this server has slots 0 to {parallel - 1} (--parallel)"
         raise ApiError(400, message, param="id_slot", code="invalid_value")
-    if n_choices > 1:
-        message = "id_slot runs one answer in one slot: not with n > 1 or several prompts"
+    if n_prompts > 1:
+        message = "id_slot names the slot of one prompt: not with several prompts"
         raise ApiError(400, message, param="id_slot", code="invalid_value")
     return req.id_slot
 

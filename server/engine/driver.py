@@ -134,8 +134,8 @@ class Engine:
                 )
         if not 1 <= job.n_choices <= self.config.n_parallel:
             raise ValueError(f"a job's choices must number between 1 and {self.config.n_parallel}")
-        if job.slot is not None and not (0 <= job.slot < self.config.n_parallel and job.n_choices == 1):
-            raise ValueError(f"a pinned job has one choice, in a sequence below {self.config.n_parallel}")
+        if job.slot is not None and not (0 <= job.slot < self.config.n_parallel and not job.more_prompts):
+            raise ValueError(f"a pinned job has one prompt, in a sequence below {self.config.n_parallel}")
         if not self._accepting:
             return ShuttingDown("server is shutting down")
         if len(self._queue) >= self.config.max_queue:

@@ -44,8 +44,9 @@ class Job:
     # (an SSE stream's head and first chunk): ending it unstarted is an error its client sees,
     # which no proxy can retry, so a drain leaves it queued (``Engine.fail_queued``).
     streamed: bool = False
-    # The sequence the job must run in (llama-server's ``id_slot``), whose cache it then reuses;
-    # it waits for that one, and jobs queued after it wait behind it. None: the best free one.
+    # The sequence the job's prompt runs in (llama-server's ``id_slot``), whose cache it then
+    # reuses; it waits for that one, and jobs queued after it wait behind it. With ``n`` > 1 the
+    # other choices take other sequences, as ever. None: the best free one. One prompt only.
     slot: int | None = None
 
     @property
