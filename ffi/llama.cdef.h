@@ -169,6 +169,11 @@ enum llama_token_attr llama_vocab_get_attr(const struct llama_vocab * vocab, lla
 llama_token llama_vocab_bos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eot(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_suf(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_mid(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_rep(const struct llama_vocab * vocab);
+llama_token llama_vocab_fim_sep(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
 const char * llama_vocab_get_text(const struct llama_vocab * vocab, llama_token token);
 int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import codecs
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ffi._lib import ffi, lib
 from ffi.errors import ClosedError, TokenizeError
@@ -22,6 +22,21 @@ ATTR_CONTROL = 1 << 3
 ATTR_USER_DEFINED = 1 << 4
 
 
+LLAMA_TOKEN_NULL = -1
+
+
+def _token_or_none(token: int) -> int | None:
+    return None if token == LLAMA_TOKEN_NULL else int(token)
+
+
+class FimTokens(NamedTuple):
+    """A model's fill-in-the-middle tokens; each None when it has none."""
+
+    prefix: int | None
+    suffix: int | None
+    middle: int | None
+
+
 class Vocab:
     """The vocabulary of a ``Model``; valid while the model is open.
 
@@ -36,6 +51,16 @@ class Vocab:
         self.bos: int = lib.llama_vocab_bos(ptr)
         self.eos: int = lib.llama_vocab_eos(ptr)
         self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(ptr))
+        # Fill-in-the-middle tokens (prefix, suffix, middle, repository, file separator), each
+        # None when the model has none.
+        self.fim: FimTokens = FimTokens(
+            *(
+                _token_or_none(f(ptr))
+                for f in (lib.llama_vocab_fim_pre, lib.llama_vocab_fim_suf, lib.llama_vocab_fim_mid)
+            )
+        )
+        self.fim_rep: int | None = _token_or_none(lib.llama_vocab_fim_rep(ptr))
+        self.fim_sep: int | None = _token_or_none(lib.llama_vocab_fim_sep(ptr))
         self._pieces: dict[int, bytes] = {}
         self._eog: frozenset[int] | None = None
         self._control: re.Pattern[str] | None = None

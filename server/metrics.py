@@ -102,6 +102,60 @@ class _EngineCollector(Collector):
         yield cancels
 
 
+@dataclass
+class RequestTotals:
+    """What the completion requests add up to, from their own timing (``api/trace.py``)."""
+
+    prompt_seconds: float = 0.0  # arrival to first token (queueing included)
+    generation_seconds: float = 0.0  # first token to last
+    longest_sequence: int = 0  # prompt + generated tokens, the most of any request
+
+
+# llama-server's own metric names (its /metrics), for dashboards made for it: name, help, type.
+_LLAMACPP = (
+    ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", "counter"),
+    ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", "counter"),
+    ("prompt_seconds_total", "Total time spent processing prompts (queueing included)", "counter"),
+    ("tokens_predicted_total", "Number of generation tokens processed", "counter"),
+    ("tokens_predicted_seconds_total", "Total time spent generating tokens", "counter"),
+    ("n_decode_total", "Total number of llama_decode() calls", "counter"),
+    ("n_tokens_max", "Largest observed sequence length (prompt + generation)", "counter"),
+    ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated (none here)", "counter"),
+    ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted (none here)", "counter"),
+    ("spec_decode_num_drafts_total", "Speculative: Total verification steps (none here)", "counter"),
+    ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", "gauge"),
+    ("predicted_tokens_seconds", "Average generation throughput in tokens/s", "gauge"),
+    ("requests_processing", "Number of requests processing", "gauge"),
+    ("requests_deferred", "Number of requests deferred", "gauge"),
+    ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", "gauge"),
+)
+
+
+def llamacpp_text(stats: EngineStats, totals: RequestTotals) -> str:
+    """The engine's and the requests' figures under llama-server's ``llamacpp:`` names, in the
+    text format it writes (the full name on every line)."""
+    generated = stats.generated_tokens
+    values = {
+        "prompt_tokens_total": stats.prompt_tokens,
+        "prompt_tokens_cached_total": stats.cached_tokens,
+        "prompt_seconds_total": totals.prompt_seconds,
+        "tokens_predicted_total": generated,
+        "tokens_predicted_seconds_total": totals.generation_seconds,
+        "n_decode_total": stats.decode_steps,
+        "n_tokens_max": totals.longest_sequence,
+        "prompt_tokens_seconds": stats.prompt_tokens / totals.prompt_seconds if totals.prompt_seconds else 0.0,
+        "predicted_tokens_seconds": generated / totals.generation_seconds if totals.generation_seconds else 0.0,
+        "requests_processing": stats.active,
+        "requests_deferred": stats.queued,
+        "n_busy_slots_per_decode": stats.busy_slot_steps / max(stats.decode_steps, 1),
+    }
+    lines = []
+    for name, doc, kind in _LLAMACPP:
+        lines += [f"# HELP llamacpp:{name} {doc}", f"# TYPE llamacpp:{name} {kind}"]
+        lines.append(f"llamacpp:{name} {float(values.get(name, 0))!r}")
+    return "\n".join(lines) + "\n"
+
+
 @dataclass(frozen=True)
 class ModelRow:
     """One configured model's gauges: what a load balancer (the Gateway API Inference
@@ -177,6 +231,8 @@ class Metrics:
         grammars: Callable[[], CompileStats | None] = lambda: None,
         embedder: Callable[[], EmbedderStats | None] = lambda: None,
     ) -> None:
+        self._stats = stats
+        self.totals = RequestTotals()
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "llama_trio_requests",
@@ -201,4 +257,7 @@ class Metrics:
         self.registry.register(_GrammarCollector(grammars))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """Ours, then llama-server's names (``llamacpp:``) once the engine runs."""
+        stats = self._stats()
+        ours = generate_latest(self.registry)
+        return ours if stats is None else ours + llamacpp_text(stats, self.totals).encode()

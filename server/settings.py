@@ -76,6 +76,11 @@ class Settings:
     fd: int | None = None  # None: open our own listener (or take systemd's)
     restart_timeout: float = 120.0
     verbose: bool = False
+    temp: float | None = None  # None: each API's own default
+    seed: int | None = None  # None: a fresh seed per request
+    no_slots: bool = False
+    slot_save_path: str | None = None
+    chat_template: str | None = None  # a template's text or a llama.cpp built-in's name
 
     def api_keys(self) -> frozenset[str]:
         keys = set(self.api_key)
@@ -148,7 +153,7 @@ _HELP = {
     "ping_interval": "seconds of silence in a stream (queued, or a long prompt) before a ': ping' comment is sent",
     "max_header_size": "largest request head in bytes (431 above)",
     "max_connections": "open connections at once; past it a new client replaces the longest-idle one, or waits",
-    "cors_origin": "allowed CORS origin (repeatable; * for any)",
+    "cors_origin": "allowed CORS origin (repeatable; * for any; localhost for any on this machine)",
     "reuse_port": "also set SO_REUSEPORT (lets other processes share the port)",
     "no_webui": "do not serve the chat page at / (the API is unchanged)",
     "fd": (
@@ -157,6 +162,14 @@ _HELP = {
     ),
     "restart_timeout": "seconds a hot restart (SIGHUP) waits for the new process to be ready before giving up on it",
     "verbose": "debug logging, including llama.cpp's own log",
+    "temp": "temperature of requests that set none (default: 1.0 on the OpenAI routes, 0.8 on llama.cpp's native ones)",
+    "seed": "sampling seed of requests that set none (default: a fresh one each)",
+    "no_slots": "do not serve GET /slots (llama.cpp's view of the sequences)",
+    "chat_template": (
+        "chat template to use instead of the model's own: Jinja text, or the name of one llama.cpp knows "
+        "(chatml, llama3, command-r, ...)"
+    ),
+    "slot_save_path": "folder where POST /slots/ID saves and restores sequences (default: saving and restoring off)",
 }
 
 
@@ -249,15 +262,17 @@ def _kind(name: str) -> type:
         "alias",
         "api_key_file",
         "chat_template_file",
+        "chat_template",
         "pooling",
         "models_dir",
         "models_preset",
         "responses_db",
+        "slot_save_path",
     }:
         return str
-    if name in {"max_tokens", "fd", "models_max", "models_max_mb"}:
+    if name in {"max_tokens", "fd", "models_max", "models_max_mb", "seed"}:
         return int
-    if name == "sleep_idle_seconds":
+    if name in {"sleep_idle_seconds", "temp"}:
         return float
     return type(value)
 
@@ -325,6 +340,14 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error("--cache-ram must be 0 (off) or a number of MiB")
     if not settings.responses_max_mb > 0:  # also NaN
         parser.error("--responses-max-mb must be a positive number of MiB (fractions allowed)")
+    if settings.temp is not None and not 0.0 <= settings.temp <= 2.0:
+        parser.error("--temp must be between 0 and 2")
+    if settings.seed is not None and not 0 <= settings.seed < 2**32:
+        parser.error("--seed must be between 0 and 4294967295")
+    if settings.slot_save_path is not None and not os.path.isdir(settings.slot_save_path):
+        parser.error(f"--slot-save-path {settings.slot_save_path}: not a folder")
+    if settings.chat_template is not None and settings.chat_template_file is not None:
+        parser.error("--chat-template and --chat-template-file cannot both be given")
     if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
         parser.error("--ping-interval must be a positive number of seconds")
     for name in ("models_max", "models_max_mb"):

@@ -231,7 +231,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     body = response.json()
     assert set(body) == {"error"}
     error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    # A context overflow also says by how much, as llama-server does.
+    extra = {"n_prompt_tokens", "n_ctx"} if code == "context_length_exceeded" else set()
+    assert set(error) == {"message", "type", "param", "code"} | extra
     assert isinstance(error["message"], str) and error["message"]
     if param is not None:
         assert error["param"] == param
@@ -279,6 +281,7 @@ def test_context_length_exceeded(server: ServerProcess) -> None:
     prompt = "hello " * 5000  # a sequence here holds 1024 tokens
     error = assert_error(post(server, "/v1/completions", {"prompt": prompt}), 400, code="context_length_exceeded")
     assert error["param"] == "prompt"
+    assert error["n_ctx"] == 1024 and error["n_prompt_tokens"] > 1024
     streamed = post(server, "/v1/completions", {"prompt": prompt, "stream": True})
     assert_error(streamed, 400, code="context_length_exceeded")
 

@@ -1,7 +1,9 @@
 """The HTTP API as a Quart-Trio app: every API family's routes over the one request path.
 
 - ``app``: ``create_app`` composes ``middleware`` (keys, CORS, limits, error handlers), one
-  blueprint per API family (``openai``; ``ops`` for ``/health`` and ``/metrics``) and ``webui``;
+  blueprint per API family (``openai``; ``native`` for llama.cpp's own routes, with
+  ``native_schema``, ``native_render``, ``native_stream``, ``native_infill``, ``native_slots``;
+  ``ops`` for ``/health`` and ``/metrics``) and ``webui``;
 - ``preflight``: the checks every route makes first; ``prepare``: the internal request to a
   ``Job`` (the one request path); ``prompt``: prompt text to tokens (control tokens only from
   the template); ``constraints`` and ``tools``: what the output must follow;

@@ -1,6 +1,6 @@
 """``create_app``: the HTTP API as a Quart-Trio app, composed of its parts: the middleware and
-error handlers (``middleware``), one blueprint per API family (``openai``; the operators'
-``ops``), and the chat page (``webui``) unless ``--no-webui``. No globals: the app's
+error handlers (``middleware``), one blueprint per API family (``openai``; llama.cpp's own
+``native``; the operators' ``ops``), and the chat page (``webui``) unless ``--no-webui``. No globals: the app's
 ``ServerState`` is in its extensions (``respond.current_state``).
 """
 
@@ -10,6 +10,7 @@ from quart_trio import QuartTrio
 
 from server.api import middleware
 from server.api.anthropic import anthropic
+from server.api.native import native
 from server.api.openai import openai
 from server.api.ops import PUBLIC, ops
 from server.api.respond import STATE_KEY
@@ -38,6 +39,7 @@ def create_app(settings: Settings | None = None, *, state: ServerState | None = 
     app.register_blueprint(openai)
     app.register_blueprint(responses)
     app.register_blueprint(anthropic)
+    app.register_blueprint(native)
     if owns_engine:
         _run_models_in_lifespan(app, state)
     return app

@@ -15,6 +15,7 @@ class Collected:
     def __init__(self, echo: str = "") -> None:
         self.texts: list[str] = [echo] if echo else []
         self.logprobs: list[TokenLogprob] = []
+        self.tokens: list[int] = []  # generated (an end-of-generation token is not among them)
         self.finish = "cancelled"
         self.stop_sequence: str | None = None  # the stop string that ended it
         self.usage: Usage | None = None
@@ -22,6 +23,7 @@ class Collected:
     def add(self, piece: Piece) -> None:
         self.texts.append(piece.text)
         self.logprobs += piece.logprobs
+        self.tokens.extend(piece.tokens)
         if piece.finish_reason:
             self.finish, self.usage, self.stop_sequence = piece.finish_reason, piece.usage, piece.stop_sequence
 

@@ -26,6 +26,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        extra: dict[str, int] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -34,10 +35,20 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        # Facts beside OpenAI's fields, as llama-server sends them (a context overflow's
+        # ``n_prompt_tokens`` and ``n_ctx``).
+        self.extra = extra or {}
 
-    def body(self) -> dict[str, dict[str, str | None]]:
-        """The error in OpenAI's shape."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> dict[str, dict[str, str | int | None]]:
+        """The error in OpenAI's shape (with ``extra`` beside its fields)."""
+        error: dict[str, str | int | None] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        error.update(self.extra)
+        return {"error": error}
 
     def response(self) -> Response:
         return Response(
@@ -79,7 +90,8 @@ class ApiError(Exception):
                 f"This model's maximum context length is {exc.limit} tokens. However, your {what} "
                 f"resulted in {exc.tokens} tokens. Please reduce the length of the {what}."
             )
-            return cls(400, message, param=param, code=exc.code)
+            extra = {"n_prompt_tokens": exc.tokens, "n_ctx": exc.limit}
+            return cls(400, message, param=param, code=exc.code, extra=extra)
         if exc.status == 400:
             return cls(400, str(exc), param=param, code=exc.code)
         if exc.status == 503:

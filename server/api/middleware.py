@@ -106,7 +106,7 @@ def _add_cors(response: Response, cors: set[str]) -> None:
     # Caches must key on the origin whenever the answer can depend on it.
     response.vary.add("Origin")
     origin = request.headers.get("Origin")
-    if not origin or ("*" not in cors and origin not in cors):
+    if not origin or ("*" not in cors and origin not in cors and not ("localhost" in cors and _local(origin))):
         return
     response.headers["Access-Control-Allow-Origin"] = "*" if "*" in cors else origin
     requested = request.headers.get("Access-Control-Request-Headers", "").strip()
@@ -119,6 +119,13 @@ def _add_cors(response: Response, cors: set[str]) -> None:
     response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
     if request.method == "OPTIONS":
         response.headers["Access-Control-Max-Age"] = CORS_MAX_AGE
+
+
+def _local(origin: str) -> bool:
+    """An origin on this machine (``--cors-origin localhost``, as llama-server's keyword)."""
+    scheme, _, rest = origin.partition("://")
+    host = rest.rsplit(":", 1)[0] if not rest.endswith("]") else rest
+    return scheme in {"http", "https"} and host in {"localhost", "127.0.0.1", "[::1]"}
 
 
 def _install_error_handlers(app: QuartTrio, settings: Settings) -> None:

@@ -1,5 +1,6 @@
-"""OpenAI's routes: chat completions, completions, embeddings and the model list. Each also
-answers without ``/v1``, for clients whose base URL lacks it.
+"""OpenAI's routes: chat completions, completions, embeddings and the model list. Each but
+completions also answers without ``/v1``, for clients whose base URL lacks it (llama-server's
+``/completions`` is its native format, served by ``native``).
 
 The completion routes go to ``completions.complete``: ``prepare`` validates the body and makes
 a ``Job``; the answer holds its sequence inside ``async with engine.submit(job)``, and
@@ -49,8 +50,7 @@ async def chat_completions() -> Response:
     return await complete(current_state(), chat=True)
 
 
-@openai.post("/v1/completions")
-@openai.post("/completions")
+@openai.post("/v1/completions")  # "/completions" is llama-server's native format (``native``)
 async def completions() -> Response:
     return await complete(current_state(), chat=False)
 

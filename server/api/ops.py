@@ -15,12 +15,13 @@ from server.api.respond import current_state, json_response
 from server.metrics import CONTENT_TYPE
 from server.models.registry import ModelBusy
 
-PUBLIC = frozenset(["/health"])  # paths that need no API key
+PUBLIC = frozenset(["/health", "/v1/health"])  # paths that need no API key
 
 ops = Blueprint("ops", __name__)
 
 
 @ops.get("/health")
+@ops.get("/v1/health")  # llama-server answers here too
 async def health() -> Response:
     state = current_state()
     if state.draining:
@@ -48,7 +49,10 @@ async def health() -> Response:
 
 @ops.get("/metrics")
 async def metrics() -> Response:
-    return Response(current_state().metrics.render(), content_type=CONTENT_TYPE)
+    state = current_state()
+    # As llama-server sends it: when this process started (clients compute rates from it).
+    headers = {"Process-Start-Time-Unix": str(state.models.created)}
+    return Response(state.metrics.render(), content_type=CONTENT_TYPE, headers=headers)
 
 
 class ModelAction(schema.StrictRequest):

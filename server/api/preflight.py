@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 import pydantic
@@ -57,7 +57,19 @@ async def read_json(model: type[pydantic.BaseModel]) -> Any:
     return _parse(model, raw)
 
 
-def _parse(model: type[pydantic.BaseModel], raw: str | bytes) -> Any:
+async def read_object() -> dict[str, Any]:
+    """The request body as a JSON object, for a dialect that reads its fields itself; a 400
+    otherwise. A large body is parsed in a worker thread.
+
+    *Cancellation*: as ``read_json``.
+    """
+    raw = await request.get_data(as_text=False)
+    if len(raw) > INLINE_BODY_BYTES:
+        return await trio.to_thread.run_sync(_object, raw)
+    return _object(raw)
+
+
+def _object(raw: str | bytes) -> dict[str, Any]:
     try:
         payload = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -68,7 +80,11 @@ def _parse(model: type[pydantic.BaseModel], raw: str | bytes) -> Any:
     if where is not None:
         message = f"{where}: the text contains a lone UTF-16 surrogate (invalid Unicode)"
         raise ApiError(400, message, param=where[:MAX_PARAM_NAME], code="invalid_value")
-    return validate(model, payload)
+    return payload
+
+
+def _parse(model: type[pydantic.BaseModel], raw: str | bytes) -> Any:
+    return validate(model, _object(raw))
 
 
 def validate(model: type[M], payload: Any, at: str = "") -> M:
@@ -150,6 +166,23 @@ async def model_lease(state: ServerState, name: str | None) -> Lease:
         return await state.models.acquire(resolve(state, name).id)
     except ModelUnavailable as exc:
         raise ApiError.unavailable(str(exc), code=exc.code) from None
+
+
+@contextlib.asynccontextmanager
+async def leased(state: ServerState, name: str | None) -> AsyncIterator[Lease]:
+    """``model_lease`` for the span of a block (a route that answers within it)."""
+    lease = await model_lease(state, name)
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def model_name(value: Any, param: str = "model") -> str | None:
+    """A ``model`` taken from a body or query that no schema checked: a string or absent."""
+    if value is None or isinstance(value, str):
+        return value
+    raise ApiError(400, f"{param} must be a string (a model id)", param=param, code="invalid_value")
 
 
 def resolve(state: ServerState, name: str | None) -> ModelSpec:

@@ -5,6 +5,7 @@ sequence is taken.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +54,11 @@ class Prepared:
         return "messages" if self.chat else "prompt"
 
 
-def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParams:
+def sampling_params(
+    req: schema.CommonFields, n_vocab: int, *, temperature: float | None = None, seed: int | None = None
+) -> ffi.SamplingParams:
+    """``req``'s sampling; ``temperature`` and ``seed`` stand in where it sets none (``--temp``,
+    ``--seed``)."""
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         token = int(key)
@@ -63,12 +68,14 @@ def sampling_params(req: schema.CommonFields, n_vocab: int) -> ffi.SamplingParam
             )
         bias[token] = value
     return ffi.SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        temperature=(DEFAULT_TEMPERATURE if temperature is None else temperature)
+        if req.temperature is None
+        else req.temperature,
         # A top_k beyond the vocabulary filters nothing; clamped, it also fits llama.cpp's int32.
         top_k=DEFAULT_TOP_K if req.top_k is None else min(req.top_k, n_vocab),
         top_p=1.0 if req.top_p is None else req.top_p,
         min_p=DEFAULT_MIN_P if req.min_p is None else req.min_p,
-        seed=req.seed,
+        seed=seed if req.seed is None else req.seed,
         repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
@@ -130,6 +137,7 @@ async def _prepare(
         what = f"n is {n}" if len(all_tokens) == 1 else f"{len(all_tokens)} prompts x n {n}"
         message = f"{what}; this server decodes at most {parallel} sequences at once (--parallel)"
         raise ApiError(400, message, param="n" if len(all_tokens) == 1 else "prompt", code="invalid_value")
+    slot = _pinned_slot(req, len(all_tokens), parallel)
     max_tokens, ceiling = prompt.max_tokens, state.settings.max_tokens
     if ceiling is not None:
         max_tokens = min(max_tokens or ceiling, ceiling)
@@ -137,7 +145,7 @@ async def _prepare(
     scope = cache_scope(req.cache_salt)
     job = Job(
         all_tokens[0],
-        sampling_params(req, engine.vocab.n_tokens),
+        sampling_params(req, engine.vocab.n_tokens, temperature=state.settings.temp, seed=state.settings.seed),
         more_prompts=tuple(all_tokens[1:]),
         max_tokens=max_tokens,
         stop=req.stop_list(),
@@ -146,6 +154,7 @@ async def _prepare(
         logprobs=logprobs,
         n=n,
         streamed=req.stream,
+        slot=slot,
     )
     error = engine.admission_error(job)
     if error is not None:
@@ -206,16 +215,20 @@ class _Prompt:
 def _prompt(req: schema.ChatCompletionRequest | schema.CompletionRequest, engine: Engine, info: ModelInfo) -> _Prompt:
     vocab = engine.vocab
     if isinstance(req, schema.ChatCompletionRequest):
-        template = info.template
-        use = tool_use(req, native=tools.knows_tools(template.source))
-        messages = _chat_messages(req, use, template.named_roles)
-        template_tools = use.template_tools if use is not None else None
+        chat = _chat(req, info)
 
         def render_chat() -> list[list[int]]:
-            return [chat_tokens(template, vocab, messages, template_tools)]
+            tokens = chat_tokens(
+                info.template,
+                vocab,
+                chat.messages,
+                chat.template_tools,
+                add_generation_prompt=chat.generation_prompt,
+                continue_final=chat.continues,
+            )
+            return [tokens]
 
-        work = sum(len(m["content"]) for m in messages) + CHARS_PER_MESSAGE * len(messages)
-        return _Prompt(render_chat, work, req.max_completion_tokens or req.max_tokens, use)
+        return _Prompt(render_chat, chat.work, req.max_completion_tokens or req.max_tokens, chat.use)
     prompts = _completion_prompts(req, vocab.n_tokens)
 
     def render() -> list[list[int]]:
@@ -225,6 +238,73 @@ def _prompt(req: schema.ChatCompletionRequest | schema.CompletionRequest, engine
     if req.echo:
         echo = tuple(p if isinstance(p, str) else vocab.detokenize(p) for p in prompts)
     return _Prompt(render, sum(len(p) for p in prompts), req.max_tokens, echo=echo)
+
+
+@dataclass(frozen=True)
+class _Chat:
+    """A chat request's conversation as the template gets it."""
+
+    messages: list[dict[str, Any]]
+    use: ToolUse | None
+    template_tools: list[dict[str, Any]] | None
+    continues: bool  # the last (assistant) message is continued, not closed
+    generation_prompt: bool
+    work: int  # for ``preflight.off_loop``
+
+
+def _chat(req: schema.ChatCompletionRequest, info: ModelInfo) -> _Chat:
+    use = tool_use(req, native=tools.knows_tools(info.template.source))
+    messages = _chat_messages(req, use, info.template.named_roles)
+    continues = continues_final(req, messages, constrained=use is not None and use.constrained)
+    work = sum(len(m["content"]) for m in messages) + CHARS_PER_MESSAGE * len(messages)
+    template_tools = use.template_tools if use is not None else None
+    return _Chat(messages, use, template_tools, continues, req.add_generation_prompt is not False, work)
+
+
+async def chat_text(state: ServerState, req: schema.ChatCompletionRequest) -> str:
+    """The prompt text ``req`` renders to (llama-server's ``/apply-template``): the same
+    conversation, tools and prefill as its answer would get, before tokenizing.
+
+    *Cancellation*: a render running in a worker thread is waited for, never abandoned.
+    """
+    refuse_unsupported(req)
+    lease = await model_lease(state, req.model)
+    try:
+        chat = _chat(req, lease.info)
+        render = functools.partial(lease.info.template.render, tools=chat.template_tools)
+
+        def run() -> str:
+            if chat.continues:
+                return render(chat.messages[:-1], add_generation_prompt=True) + chat.messages[-1]["content"]
+            return render(chat.messages, add_generation_prompt=chat.generation_prompt)
+
+        with tokenizing("messages"):
+            return await off_loop(chat.work, run)
+    finally:
+        lease.release()
+
+
+def continues_final(req: schema.ChatCompletionRequest, messages: list[dict[str, Any]], *, constrained: bool) -> bool:
+    """Whether the answer continues the conversation's last message (an assistant's: prefill)
+    rather than starting a new one; the combinations that make no sense are 400s."""
+    last = req.messages[-1]
+    wanted = req.continue_final_message
+    if wanted and last.role != "assistant":
+        message = "continue_final_message needs the conversation to end with an assistant message"
+        raise ApiError(400, message, param="continue_final_message", code="invalid_value")
+    if wanted and req.add_generation_prompt:
+        message = "add_generation_prompt and continue_final_message cannot both be true"
+        raise ApiError(400, message, param="add_generation_prompt", code="invalid_value")
+    if last.role != "assistant" or wanted is False:
+        return False
+    where = f"messages[{len(req.messages) - 1}]"
+    if len(req.messages) >= 2 and req.messages[-2].role == "assistant":
+        message = "the conversation ends with two assistant messages; only the last one can be continued"
+        raise ApiError(400, message, param=where, code="invalid_value")
+    if last.tool_calls or constrained or not messages or messages[-1]["role"] != "assistant":
+        message = "an assistant message with tool calls, or with tools in use, cannot be continued"
+        raise ApiError(400, message, param=where, code="invalid_value")
+    return True
 
 
 def _completion_prompts(req: schema.CompletionRequest, n_vocab: int) -> list[str | list[int]]:
@@ -239,11 +319,25 @@ def _completion_prompts(req: schema.CompletionRequest, n_vocab: int) -> list[str
     for i, p in enumerate(prompts):
         if isinstance(p, list):
             for j, token in enumerate(p):
-                if token >= n_vocab:
+                # Checked here too (not only by the schema): a dialect may build the request.
+                if not 0 <= token < n_vocab:
                     where = f"prompt[{j}]" if len(prompts) == 1 and isinstance(prompt[0], int) else f"prompt[{i}][{j}]"
                     message = f"token {token} is not in the vocabulary ({n_vocab} tokens)"
                     raise ApiError(400, message, param=where, code="invalid_value")
     return prompts
+
+
+def _pinned_slot(req: schema.CommonFields, n_prompts: int, parallel: int) -> int | None:
+    """The sequence ``id_slot`` names for the prompt (its first choice), or None (-1, or none)."""
+    if req.id_slot is None or req.id_slot == -1:
+        return None
+    if req.id_slot >= parallel:
+        message = f"id_slot {req.id_slot}: this server has slots 0 to {parallel - 1} (--parallel)"
+        raise ApiError(400, message, param="id_slot", code="invalid_value")
+    if n_prompts > 1:
+        message = "id_slot names the slot of one prompt: not with several prompts"
+        raise ApiError(400, message, param="id_slot", code="invalid_value")
+    return req.id_slot
 
 
 def _logprobs_wanted(req: schema.ChatCompletionRequest | schema.CompletionRequest) -> int | None:

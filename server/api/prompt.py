@@ -55,18 +55,29 @@ def chat_tokens(
     vocab: ffi.Vocab,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final: bool = False,
 ) -> list[int]:
     """The tokens of ``messages`` (and ``tools``, for a template that renders them) rendered
-    by ``template`` with the generation prompt; only the template's own text yields control
-    tokens. Control-token text in tool definitions, calls and names is broken as in the
-    fallback below. Blocking: may take milliseconds."""
+    by ``template`` with the generation prompt (unless ``add_generation_prompt`` is false); only
+    the template's own text yields control tokens. Control-token text in tool definitions,
+    calls and names is broken as in the fallback below. Blocking: may take milliseconds.
+
+    ``continue_final``: the last message (the assistant's) is continued, not closed (prefill,
+    as llama-server does it): the others rendered with the generation prompt, then its content
+    as text."""
+    if continue_final:
+        *head, last = messages
+        before = chat_tokens(template, vocab, head, tools)
+        return before + vocab.tokenize(last["content"], add_special=False, parse_special=False)
     control = vocab.control_pattern
     if tools:
         tools = [_break_all(control, tool) for tool in tools]
     # Every field but the content (names, tool calls, ids) is rendered as the template's own
     # text: control-token text in it is broken.
     messages = [{k: v if k in ("role", "content") else _break_all(control, v) for k, v in m.items()} for m in messages]
-    render = functools.partial(template.render, add_generation_prompt=True, tools=tools)
+    render = functools.partial(template.render, add_generation_prompt=add_generation_prompt, tools=tools)
     rendered = render(messages)
     if not any(control.search(m["content"]) for m in messages):
         return _without_double_bos(vocab, _tokenize_special(vocab, rendered, add_special=True))

@@ -170,7 +170,8 @@ class PartError(ValueError):
 
 
 class JsonSchemaFormat(_Request):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    # OpenAI requires a name; llama-server and vLLM do not, and it changes no answer.
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
     description: str | None = None
     # "schema" would shadow a pydantic method: the field is read under its wire name.
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -233,6 +234,8 @@ class CommonFields(_Request):
     response_format: ResponseFormat | None = None
     json_schema: dict[str, Any] | None = None
     grammar: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    # llama-server's: run in this sequence (reusing what it holds, e.g. a restored slot); -1: any.
+    id_slot: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -298,6 +301,11 @@ class ChatCompletionRequest(CommonFields):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     modalities: list[str] | None = None
+    # llama-server's and vLLM's: a conversation that ends with an assistant message continues
+    # that message (prefill) unless continue_final_message is false; add_generation_prompt
+    # false renders no assistant turn at the end.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""

@@ -62,6 +62,12 @@ class Trace:
         usage = self.usage
         ttft = f"{(self.first - self.start) * 1000:.0f}ms" if self.first else "-"
         rate = "-"
+        totals = self.state.metrics.totals
+        if self.first is not None and self.last is not None:
+            totals.prompt_seconds += self.first - self.start
+            totals.generation_seconds += self.last - self.first
+        if usage is not None:
+            totals.longest_sequence = max(totals.longest_sequence, usage.total_tokens)
         if usage and self.first and self.last and usage.completion_tokens > 1 and self.last > self.first:
             per_token = (self.last - self.first) / (usage.completion_tokens - 1)
             self.state.metrics.token_latency.observe(per_token)

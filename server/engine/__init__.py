@@ -8,7 +8,8 @@
 - ``choice``: one choice of a job in the engine (its state, its sequence) and the ``Pieces`` its caller reads;
 - ``decode_thread``: the one thread that runs llama.cpp's long calls; ``step``: what it runs each
   step (fill the batch, decode, sample);
-- ``driver``: the ``Engine`` task and ``open_engine``.
+- ``driver``: the ``Engine`` task and ``open_engine``;
+- ``slot_ops``: save, restore and erase of one idle sequence, between steps (llama-server's slots).
 """
 
 from server.engine.choice import Pieces
@@ -25,10 +26,12 @@ from server.engine.jobs import (
     Phase,
     Piece,
     PieceSink,
+    SequenceView,
     ShuttingDown,
     TokenLogprob,
     Usage,
 )
+from server.engine.slot_ops import SlotBusy, SlotOp, SlotStateRejected
 
 __all__ = [
     "ConstraintFailed",
@@ -46,7 +49,11 @@ __all__ = [
     "Piece",
     "PieceSink",
     "Pieces",
+    "SequenceView",
     "ShuttingDown",
+    "SlotBusy",
+    "SlotOp",
+    "SlotStateRejected",
     "TokenLogprob",
     "Usage",
     "open_engine",

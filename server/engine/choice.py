@@ -120,6 +120,17 @@ class Choice:
         assert lead is not None
         return lead
 
+    def start(self, slot: Slot, sampler: ffi.Sampler, vocab: ffi.Vocab, tick: int) -> None:
+        """Take ``slot`` (admitted): from here the choice prefills, then generates."""
+        slot.last_used = tick
+        slot.scope = self.job.cache_scope
+        slot.choice = self
+        self.slot = slot
+        self.phase = Phase.PREFILL
+        self.sampler = sampler
+        self.matcher = self.job.grammar.matcher() if self.job.grammar is not None else None
+        self.detok = ffi.Detokenizer(vocab)
+
     def finish_choice(self) -> None:
         """This choice has sent its last piece: the channel closes with the job's last one."""
         self.lead.unfinished -= 1

@@ -46,6 +46,7 @@ class EngineStats:
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0  # inside llama_decode, all steps together
+    busy_slot_steps: int = 0  # sequences in each step, summed over the steps
     constrained_tokens: int = 0  # sampled under a grammar
     forced_tokens: int = 0  # forced by a grammar: appended without sampling (fast-forward)
     constraint_seconds: float = 0.0  # their masks and grammar steps, in the decode thread

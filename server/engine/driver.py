@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 import trio
 
 import ffi
-from server.engine import scheduler
+from server.engine import scheduler, slot_ops
 from server.engine.choice import Choice, Pieces, Slot
 from server.engine.config import KV_STATS_EVERY, EngineConfig, EngineStats
 from server.engine.decode_thread import DecodeThread
@@ -96,6 +96,7 @@ class Engine:
         self._placer = Placer(self.context, self.stats, config.cache_bytes)
         # Tokens a grammar may force into one sequence's run: every sequence's run fits a step.
         self._max_forced = self.n_batch // config.n_parallel - 1 if config.fast_forward else 0
+        self.slot_ops = slot_ops.SlotOpQueue(self.context, self._slots, thread, self._wake, lambda: self._accepting)
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -138,6 +139,8 @@ class Engine:
                 )
         if not 1 <= job.n_choices <= self.config.n_parallel:
             raise ValueError(f"a job's choices must number between 1 and {self.config.n_parallel}")
+        if job.slot is not None and not (0 <= job.slot < self.config.n_parallel and not job.more_prompts):
+            raise ValueError(f"a pinned job has one prompt, in a sequence below {self.config.n_parallel}")
         if not self._accepting:
             return ShuttingDown("server is shutting down")
         if len(self._queue) >= self.config.max_queue:
@@ -189,6 +192,8 @@ class Engine:
         try:
             while True:
                 self._reap()
+                if self.slot_ops.pending:
+                    await self.slot_ops.run_pending(meanwhile=self._outbox.hand_out)
                 self._admit()
                 if self._placer.pending:
                     # Saving or restoring prompt caches: C work, between decode steps.
@@ -213,6 +218,7 @@ class Engine:
                     self._fail_step(plan, exc)
                     continue
                 self.stats.decode_steps += 1
+                self.stats.busy_slot_steps += len({entry.slot for entry in plan})
                 self.stats.decode_seconds += result.decode_seconds
                 if result.constrained:
                     self.stats.constrained_tokens += result.constrained
@@ -228,6 +234,7 @@ class Engine:
             self._outbox.hand_out()
             self.abort_all(ShuttingDown("server is shutting down"))
             self._reap()
+            self.slot_ops.fail_all(ShuttingDown("server is shutting down"))
 
     def _reap(self) -> None:
         """Drop released jobs: queued ones leave the queue, running ones free their cells."""
@@ -260,6 +267,9 @@ class Engine:
     def _admit(self) -> None:
         free = [s for s in self._slots if s.choice is None]
         while self._queue and len(free) >= self._queue[0].job.n_choices:
+            pinned = self._queue[0].job.slot  # the job waits for that sequence (FIFO holds)
+            if pinned is not None and self._slots[pinned] not in free:
+                break
             choice = self._queue.popleft()
             job = choice.job
             try:
@@ -271,7 +281,11 @@ class Engine:
                 continue
             slots: dict[Choice, Slot] = {}
             for source in (m for m in choice.members if m.source is m):
-                slots[source] = self._placer.place(free, source, job.cache_scope)
+                if pinned is not None:
+                    free.remove(self._slots[pinned])
+                    slots[source] = self._placer.place([self._slots[pinned]], source, job.cache_scope)
+                else:
+                    slots[source] = self._placer.place(free, source, job.cache_scope)
             # The copies' sequences get the source's cells: the least recently used free
             # sequences give theirs up.
             free.sort(key=lambda s: s.last_used)
@@ -280,16 +294,8 @@ class Engine:
                     slots[member] = free.pop(0)
                     self._placer.evict(slots[member])
             for member, sampler in zip(choice.members, samplers, strict=True):
-                slot = slots[member]
                 self._tick += 1
-                slot.last_used = self._tick
-                slot.scope = job.cache_scope
-                slot.choice = member
-                member.slot = slot
-                member.phase = Phase.PREFILL
-                member.sampler = sampler
-                member.matcher = job.grammar.matcher() if job.grammar is not None else None
-                member.detok = ffi.Detokenizer(self.vocab)
+                member.start(slots[member], sampler, self.vocab, self._tick)
         self.stats.queued = len(self._queue)
 
     def _plan(self) -> list[scheduler.PlanEntry]:
@@ -377,16 +383,8 @@ class Engine:
         stats = self.stats
         stats.active = sum(1 for s in self._slots if s.choice is not None)
         stats.queued = len(self._queue)
-        if not kv:
-            return
-        used = cached = 0
-        for slot in self._slots:
-            cells = self.context.seq_cells(slot.seq_id)
-            used += cells
-            if slot.choice is None:
-                cached += cells
-        stats.kv_cells_used = used
-        stats.kv_cells_cached = cached
+        if kv:
+            stats.kv_cells_used, stats.kv_cells_cached = slot_ops.cell_counts(self.context, self._slots)
 
     def close(self) -> None:
         """Free the context, batch and samplers. Idempotent; call only after ``run`` ended."""

@@ -44,6 +44,10 @@ class Job:
     # (an SSE stream's head and first chunk): ending it unstarted is an error its client sees,
     # which no proxy can retry, so a drain leaves it queued (``Engine.fail_queued``).
     streamed: bool = False
+    # The sequence the job's prompt runs in (llama-server's ``id_slot``), whose cache it then
+    # reuses; it waits for that one, and jobs queued after it wait behind it. With ``n`` > 1 the
+    # other choices take other sequences, as ever. None: the best free one. One prompt only.
+    slot: int | None = None
 
     @property
     def prompts(self) -> tuple[Sequence[int], ...]:
@@ -98,6 +102,19 @@ class Piece:
     logprobs: tuple[TokenLogprob, ...] = ()
     index: int = 0  # the choice, for a job with n > 1
     stop_sequence: str | None = None
+
+
+@dataclass(frozen=True)
+class SequenceView:
+    """What one sequence is doing, for an operator (llama-server's ``/slots``): counts only,
+    never the tokens (they may be another tenant's prompt)."""
+
+    seq_id: int
+    busy: bool
+    cached_tokens: int  # tokens whose KV cells it holds
+    prompt_tokens: int = 0  # of the job it runs (0 when idle)
+    generated_tokens: int = 0
+    phase: Phase | None = None
 
 
 class PieceSink(Protocol):

@@ -93,7 +93,7 @@ class ModelRegistry:
         self.created = int(time.time())
         self._names = {name: spec for spec in self.specs for name in spec.names}
         # Read now: a template file that cannot be read stops the start (status 2), not a load.
-        self._templates = {spec.id: read_template(spec.settings.chat_template_file) for spec in self.specs}
+        self._templates = {spec.id: _template_source(spec.settings) for spec in self.specs}
         self._runtimes: dict[str, ModelRuntime] = {}
         self._waiting: dict[str, int] = {spec.id: 0 for spec in self.specs}
         self._blocked = 0  # requests waiting for room
@@ -329,3 +329,9 @@ COUNTERS = (
     "prompt_cache_save_seconds",
     "prompt_cache_restore_seconds",
 )
+
+
+def _template_source(settings: Settings) -> str | None:
+    """A model's own chat template override: ``--chat-template`` (text or a built-in's name),
+    else ``--chat-template-file``'s text; None: the model's own."""
+    return settings.chat_template or read_template(settings.chat_template_file)

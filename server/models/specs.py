@@ -26,7 +26,17 @@ from server.settings import Settings
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})$")
 # Per-model keys a presets file may set: the settings a model's load and engine read.
 PER_MODEL_SETTINGS = frozenset(
-    {"ctx_size", "parallel", "batch_size", "threads", "chat_template_file", "embeddings", "pooling", "max_queue"}
+    {
+        "ctx_size",
+        "parallel",
+        "batch_size",
+        "threads",
+        "chat_template_file",
+        "chat_template",
+        "embeddings",
+        "pooling",
+        "max_queue",
+    }
 )
 # Keys of a preset that are not settings.
 _SPEC_KEYS = frozenset({"model", "path", "aliases", "load_on_start"})
@@ -182,6 +192,6 @@ def _typed(where: str, key: str, value: Any) -> Any:
 
 
 def _setting_type(key: str) -> type:
-    if key in {"chat_template_file", "pooling"}:
+    if key in {"chat_template_file", "chat_template", "pooling"}:
         return str
     return type(getattr(Settings(), key))

@@ -1,0 +1,404 @@
+"""llama.cpp's own routes (llama-server's native API), so that its clients work unchanged:
+``/completion`` (and ``/completions`` without ``/v1``, which there is the native format too),
+``/infill``, ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props``, ``/slots``.
+
+The completion routes parse their body into the internal request (``native_schema``) and go the
+one request path (``prepare.prepare_request``, ``collect``, ``streaming``): the same engine,
+tenant scope, cancellation and drain as the OpenAI routes. Errors are answered in
+llama-server's shape (``{"error": {"code", "message", "type"}}``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec
+
+from quart import Blueprint, Response, request
+
+import ffi
+from server.api import native_render, native_schema, schema
+from server.api.collect import collect
+from server.api.errors import ApiError
+from server.api.native_infill import Fim, extra_chunks, infill_tokens
+from server.api.native_slots import slot_action, slots_list
+from server.api.native_stream import NativeStream, StreamContext
+from server.api.preflight import leased, model_name, off_loop, read_json, read_object, tokenizing
+from server.api.prepare import Prepared, chat_text, prepare_request, prompt_tokens
+from server.api.prompt import text_tokens
+from server.api.respond import current_state, json_response
+from server.api.streaming import streamed_response
+from server.api.trace import Trace
+from server.models.registry import Lease
+from server.state import ServerState
+
+native = Blueprint("native", __name__)
+P = ParamSpec("P")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",  # a busy slot: try again later
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+class NativeApiError(ApiError):
+    """An ``ApiError`` answered in llama-server's shape."""
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self)
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    """``error`` as llama-server writes it; a context overflow is its own type, with
+    ``n_prompt_tokens`` and ``n_ctx``."""
+    type_ = _TYPES.get(error.status, "server_error")
+    if error.code == "context_length_exceeded":
+        type_ = "exceed_context_size_error"
+    return {"error": {"code": error.status, "message": error.message, "type": type_, **error.extra}}
+
+
+def native_errors(route: Callable[P, Awaitable[Response]]) -> Callable[P, Awaitable[Response]]:
+    """Answer the route's ``ApiError`` (its own, or from the shared checks) in llama-server's shape."""
+
+    @functools.wraps(route)
+    async def wrapped(*args: P.args, **kwargs: P.kwargs) -> Response:
+        try:
+            return await route(*args, **kwargs)
+        except NativeApiError:
+            raise
+        except ApiError as exc:
+            raise _native(exc) from None
+
+    return wrapped
+
+
+def _native(exc: ApiError) -> NativeApiError:
+    return NativeApiError(
+        exc.status, exc.message, type_=exc.type, param=exc.param, code=exc.code, headers=exc.headers, extra=exc.extra
+    )
+
+
+def _bad(exc: native_schema.NativeError) -> NativeApiError:
+    return NativeApiError(400, str(exc), param=exc.param, code="invalid_value")
+
+
+@native.post("/completion")
+@native.post("/completions")
+@native_errors
+async def completion() -> Response:
+    return await _complete(current_state(), infill=False)
+
+
+@native.post("/infill")
+@native_errors
+async def infill() -> Response:
+    return await _complete(current_state(), infill=True)
+
+
+async def _complete(state: ServerState, *, infill: bool) -> Response:
+    """A native completion, whole (JSON; a list for several prompts or ``n``) or streamed.
+
+    *Cancellation*: as ``collect`` and ``streaming``: leaving releases the job.
+    """
+    trace = Trace(state, request.path)
+    try:
+        prepared, context = await _prepare(state, infill=infill, started=trace.start)
+    except ApiError as exc:
+        trace.status, trace.ending = exc.status, exc.code or "error"
+        trace.log()
+        raise
+    if prepared.stream:
+        stream = NativeStream(prepared, context, error_body)
+        return streamed_response(prepared, stream, trace, state.settings.ping_interval)
+    choices = await collect(prepared, trace)
+    timing = native_render.Timing(
+        None if trace.first is None else trace.first - trace.start,
+        None if trace.last is None else trace.last - trace.start,
+    )
+    vocab = prepared.engine.vocab
+    answers = []
+    for index, choice in enumerate(choices):
+        probs = native_render.probabilities(choice.logprobs, vocab.token_bytes)
+        final = native_render.Final(
+            index=index,
+            content=choice.text,
+            tokens=choice.tokens,
+            finish=choice.finish,
+            usage=choice.usage,
+            generated=vocab.detokenize(choice.tokens) if context.options.stop else choice.text,
+            prompt=context.prompts[index // prepared.job.n],
+            probabilities=probs if context.options.n_probs else None,
+            id_slot=native_render.NO_SLOT if prepared.job.slot is None or index else prepared.job.slot,
+        )
+        answers.append(
+            native_render.final_object(
+                final,
+                model=context.model,
+                settings=context.settings,
+                options=context.options,
+                timing=timing,
+                stream=False,
+            )
+        )
+    return json_response(answers[0] if len(answers) == 1 else answers)
+
+
+async def _prepare(state: ServerState, *, infill: bool, started: float) -> tuple[Prepared, StreamContext]:
+    body = await read_object()
+    async with leased(state, model_name(body.get("model"))) as lease:
+        vocab, info = lease.engine.vocab, lease.info
+        work = len(str(body.get("prompt", ""))) + len(str(body.get("input_prefix", ""))) * infill
+        try:
+            with tokenizing("prompt"):
+                if infill:
+                    prompts = [await off_loop(work, lambda: _infill_prompt(lease, body))]
+                else:
+                    prompts = await off_loop(work, lambda: native_prompts(body.get("prompt"), vocab))
+            defaults = native_schema.Defaults(temperature=state.settings.temp, seed=state.settings.seed)
+            req, options = native_schema.completion_request(body, prompts, vocab, defaults)
+        except native_schema.NativeError as exc:
+            raise _bad(exc) from None
+        # The one request path takes its own lease on the same model (this one ends here).
+        prepared = await prepare_request(state, req.model_copy(update={"model": lease.spec.id}))
+    texts = await off_loop(sum(map(len, prompts)), lambda: [vocab.detokenize(p, special=True) for p in prompts])
+    job = prepared.job
+    sampling = job.sampling
+    settings = native_render.Settings(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        min_p=sampling.min_p,
+        seed=options.seed,
+        repeat_penalty=sampling.repeat_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty,
+        n_predict=-1 if job.max_tokens is None else job.max_tokens,
+        stop=options.stop,
+        n_probs=options.n_probs,
+        stream=prepared.stream,
+        timings_per_token=options.timings_per_token,
+        ignore_eos=options.ignore_eos,
+    )
+    return prepared, StreamContext(info.id, settings, options, texts, started)
+
+
+def native_prompts(value: Any, vocab: native_schema.Tokenizer) -> list[list[int]]:
+    """llama-server's ``prompt``: a string, token ids, one sequence mixing both, an object with
+    ``prompt_string``, or a list of those (one answer each), as token lists. Blocking."""
+    if value is None:
+        raise native_schema.NativeError('"prompt" is required', "prompt")
+    if isinstance(value, list) and value and all(isinstance(p, int | str) for p in value):
+        if any(isinstance(p, int) and not isinstance(p, bool) for p in value):
+            return [_mixed(value, vocab)]
+    if isinstance(value, list):
+        if not value or len(value) > schema.MAX_PROMPTS:
+            raise native_schema.NativeError(f"prompt must hold 1 to {schema.MAX_PROMPTS} prompts", "prompt")
+        return [_one(p, vocab, f"prompt[{i}]") for i, p in enumerate(value)]
+    return [_one(value, vocab, "prompt")]
+
+
+def _one(value: Any, vocab: native_schema.Tokenizer, where: str) -> list[int]:
+    if isinstance(value, str):
+        return text_tokens(vocab, value)  # type: ignore[arg-type]
+    if isinstance(value, list) and all(isinstance(p, int | str) and not isinstance(p, bool) for p in value):
+        return _mixed(value, vocab)
+    if isinstance(value, dict) and isinstance(value.get("prompt_string"), str):
+        if value.get("multimodal_data"):
+            raise native_schema.NativeError("this server takes no images or audio (multimodal_data)", where)
+        return text_tokens(vocab, value["prompt_string"])  # type: ignore[arg-type]
+    raise native_schema.NativeError("a prompt is a string, token ids, or {'prompt_string': ...}", where)
+
+
+def _mixed(value: list[int | str], vocab: native_schema.Tokenizer) -> list[int]:
+    """Token ids and text in one sequence; the text parsed for special tokens, BOS only when
+    the sequence starts with text (as llama-server's ``tokenize_mixed``)."""
+    tokens: list[int] = []
+    for i, part in enumerate(value):
+        if isinstance(part, str):
+            tokens += vocab.tokenize(part, add_special=i == 0, parse_special=True)
+        elif isinstance(part, bool) or not 0 <= part < vocab.n_tokens:
+            raise native_schema.NativeError(
+                f"token {part} is not in the vocabulary ({vocab.n_tokens} tokens)", "prompt"
+            )
+        else:
+            tokens.append(part)
+    return tokens
+
+
+def _infill_prompt(lease: Lease, body: dict[str, Any]) -> list[int]:
+    engine, batch_size = lease.engine, lease.spec.settings.batch_size
+    vocab = engine.vocab
+    missing = [name for name, token in zip(("prefix", "suffix", "middle"), vocab.fim, strict=True) if token is None]
+    if missing:
+        message = f"infill is not supported by this model: it has no FIM {', '.join(missing)} token"
+        raise NativeApiError(501, message, code="not_supported")
+    texts = {}
+    for name in ("input_prefix", "input_suffix", "prompt"):
+        value = body.get(name, "" if name == "prompt" else None)
+        if not isinstance(value, str):
+            required = " (required)" if value is None else ""
+            raise native_schema.NativeError(f'"{name}" must be a string{required}', name)
+        texts[name] = value
+    prefix, suffix, middle = vocab.fim
+    assert prefix is not None and suffix is not None and middle is not None
+    fim = Fim(prefix, suffix, middle, vocab.fim_rep, vocab.fim_sep, vocab.bos if vocab.add_bos else None)
+    n_predict = body.get("n_predict")
+    room = engine.n_ctx_seq - batch_size - 2 * (n_predict if isinstance(n_predict, int) else 0)
+    return infill_tokens(
+        fim,
+        lambda text: vocab.tokenize(text, add_special=False, parse_special=False),
+        prefix=texts["input_prefix"],
+        suffix=texts["input_suffix"],
+        prompt=texts["prompt"],
+        extra=extra_chunks(body.get("input_extra")),
+        n_batch=batch_size,
+        room=room,
+    )
+
+
+@native.post("/tokenize")
+@native_errors
+async def tokenize() -> Response:
+    body = await read_object()
+    async with leased(current_state(), model_name(body.get("model"))) as lease:
+        return await _tokenize(lease.engine.vocab, body)
+
+
+async def _tokenize(vocab: ffi.Vocab, body: dict[str, Any]) -> Response:
+    content = body.get("content", "")
+    add_special, parse_special = body.get("add_special", False), body.get("parse_special", True)
+    with_pieces = body.get("with_pieces", False)
+    if not all(isinstance(v, bool) for v in (add_special, parse_special, with_pieces)):
+        raise NativeApiError(400, "add_special, parse_special and with_pieces are true or false", code="invalid_value")
+    if not isinstance(content, str | list):
+        raise NativeApiError(400, "content must be a string (or token ids and strings)", param="content")
+
+    def run() -> list[int]:
+        if isinstance(content, str):
+            return vocab.tokenize(content, add_special=add_special, parse_special=parse_special)
+        return _mixed(content, vocab) if add_special else _mixed(["", *content], vocab)
+
+    with tokenizing("content"):
+        tokens = await off_loop(len(str(content)), run)
+    if not with_pieces:
+        return json_response({"tokens": tokens})
+    pieces = []
+    for token in tokens:
+        data = vocab.token_bytes(token)
+        try:
+            piece: str | list[int] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(data)
+        pieces.append({"id": token, "piece": piece})
+    return json_response({"tokens": pieces})
+
+
+@native.post("/detokenize")
+@native_errors
+async def detokenize() -> Response:
+    body = await read_object()
+    async with leased(current_state(), model_name(body.get("model"))) as lease:
+        return await _detokenize(lease.engine.vocab, body)
+
+
+async def _detokenize(vocab: ffi.Vocab, body: dict[str, Any]) -> Response:
+    tokens = body.get("tokens", [])
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab.n_tokens for t in tokens
+    ):
+        message = f"tokens must be a list of token ids (0 to {vocab.n_tokens - 1})"
+        raise NativeApiError(400, message, param="tokens", code="invalid_value")
+    content = await off_loop(len(tokens) * 4, lambda: vocab.detokenize(tokens, special=True))
+    return json_response({"content": content})
+
+
+@native.post("/apply-template")
+@native_errors
+async def apply_template() -> Response:
+    req = await read_json(schema.ChatCompletionRequest)
+    return json_response({"prompt": await chat_text(current_state(), req)})
+
+
+@native.post("/chat/completions/input_tokens")
+@native.post("/v1/chat/completions/input_tokens")
+@native_errors
+async def input_tokens() -> Response:
+    req = await read_json(schema.ChatCompletionRequest)
+    return json_response({"input_tokens": await prompt_tokens(current_state(), req)})
+
+
+@native.get("/props")
+@native_errors
+async def props() -> Response:
+    state = current_state()
+    async with leased(state, model_name(request.args.get("model"))) as lease:
+        return _props(state, lease)
+
+
+def _props(state: ServerState, lease: Lease) -> Response:
+    engine, info, s = lease.engine, lease.info, state.settings
+    vocab = engine.vocab
+    defaults = native_render.Settings(
+        temperature=native_schema.NATIVE_TEMPERATURE if s.temp is None else s.temp,
+        top_k=native_schema.NATIVE_TOP_K,
+        top_p=native_schema.NATIVE_TOP_P,
+        min_p=native_schema.NATIVE_MIN_P,
+        seed=native_schema.LLAMA_DEFAULT_SEED if s.seed is None else s.seed,
+        repeat_penalty=1.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        n_predict=-1 if s.max_tokens is None else s.max_tokens,
+        stop=(),
+        n_probs=0,
+        stream=False,
+        timings_per_token=False,
+    )
+    return json_response(
+        {
+            "default_generation_settings": {
+                "params": native_render.generation_settings(defaults),
+                "n_ctx": engine.n_ctx_seq,
+            },
+            "total_slots": lease.spec.settings.parallel,
+            "model_alias": info.id,
+            "model_path": lease.spec.path,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": not s.no_slots,
+            "endpoint_props": False,
+            "endpoint_metrics": True,
+            "ui": not s.no_webui,
+            "chat_template": info.template.source,
+            "bos_token": vocab.text(vocab.bos) if vocab.bos >= 0 else "",
+            "eos_token": vocab.text(vocab.eos) if vocab.eos >= 0 else "",
+            "build_info": info.fingerprint,
+            "is_sleeping": False,
+        }
+    )
+
+
+@native.post("/props")
+@native_errors
+async def change_props() -> Response:
+    raise NativeApiError(501, "this server changes no properties at run time", code="not_supported")
+
+
+@native.get("/slots")
+@native_errors
+async def slots() -> Response:
+    state = current_state()
+    async with leased(state, model_name(request.args.get("model"))) as lease:
+        return slots_list(state, lease, fail_on_no_slot=bool(request.args.get("fail_on_no_slot")))
+
+
+@native.post("/slots/<id_slot>")
+@native_errors
+async def slot(id_slot: str) -> Response:
+    body = await read_object() if (await request.get_data()) else {}
+    state = current_state()
+    async with leased(state, model_name(request.args.get("model"))) as lease:
+        return await slot_action(state, lease, id_slot, request.args.get("action", ""), body)

@@ -1,0 +1,501 @@
+"""llama.cpp's own API (llama-server's native routes) through a real server process: shapes,
+counts, round trips and effects; never the text a sampled or near-tie greedy answer has."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import threading
+
+import httpx
+import pytest
+
+from tests.support.process import ServerProcess, serving
+from tests.support.waiting import wait_for
+
+PROMPT = "The capital of France is"
+FINAL_KEYS = {
+    "index",
+    "content",
+    "tokens",
+    "id_slot",
+    "stop",
+    "model",
+    "tokens_predicted",
+    "tokens_evaluated",
+    "generation_settings",
+    "prompt",
+    "has_new_line",
+    "truncated",
+    "stop_type",
+    "stopping_word",
+    "tokens_cached",
+    "timings",
+}
+TIMING_KEYS = {
+    "cache_n",
+    "prompt_n",
+    "prompt_ms",
+    "prompt_per_token_ms",
+    "prompt_per_second",
+    "predicted_n",
+    "predicted_ms",
+    "predicted_per_token_ms",
+    "predicted_per_second",
+}
+
+
+def post(server: ServerProcess, path: str, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=timeout)
+
+
+def native_error(response: httpx.Response, status: int, type_: str = "invalid_request_error") -> dict:
+    """llama-server's error shape: {"error": {"code", "message", "type"}}."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert error["code"] == status and error["type"] == type_
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+def stream_objects(server: ServerProcess, path: str, body: dict) -> list[dict]:
+    """A native stream's objects; checks its framing (``data:`` events, no ``[DONE]``)."""
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read()
+    objects = []
+    for event in raw.split(b"\n\n"):
+        if not event or event.startswith(b":"):
+            continue
+        assert event.startswith(b"data: ") and b"\n" not in event, event
+        assert event != b"data: [DONE]"
+        objects.append(json.loads(event[6:]))
+    return objects
+
+
+def tokenize(server: ServerProcess, content: str, **options: object) -> list:
+    response = post(server, "/tokenize", {"content": content, **options})
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+# -- /tokenize, /detokenize ----------------------------------------------------------------------
+
+
+def test_tokenize_detokenize_round_trip(server: ServerProcess) -> None:
+    text = "What is the capital of France? 媽 🤗"
+    tokens = tokenize(server, text)
+    assert len(tokens) > 5 and all(isinstance(t, int) for t in tokens)
+    response = post(server, "/detokenize", {"tokens": tokens})
+    assert response.status_code == 200
+    assert response.json() == {"content": text}
+
+
+def test_tokenize_pieces_and_special_tokens(server: ServerProcess) -> None:
+    text = "unicode 媽 and emoji 🤗"
+    pieces = tokenize(server, text, with_pieces=True)
+    assert [p["id"] for p in pieces] == tokenize(server, text)
+    joined = b""
+    for piece in pieces:
+        # A piece that is not whole UTF-8 comes as its bytes.
+        joined += piece["piece"].encode() if isinstance(piece["piece"], str) else bytes(piece["piece"])
+    assert joined.decode() == text
+    # Special-token text is parsed by default, and is plain text with parse_special false.
+    assert len(tokenize(server, "<|im_start|>")) == 1
+    assert len(tokenize(server, "<|im_start|>", parse_special=False)) > 1
+    # Token ids and text in one sequence.
+    hello = tokenize(server, "hello")
+    assert tokenize(server, [*hello, " world"]) == hello + tokenize(server, " world")
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(server: ServerProcess) -> None:
+    native_error(post(server, "/detokenize", {"tokens": [1, 10**9]}), 400)
+    native_error(post(server, "/detokenize", {"tokens": "abc"}), 400)
+
+
+# -- /completion ----------------------------------------------------------------------------------
+
+
+def test_completion_shape_and_counts(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "n_predict": 5, "ignore_eos": True, "return_tokens": True, "temperature": 0}
+    response = post(server, "/completion", body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert set(answer) == FINAL_KEYS
+    assert answer["stop"] is True and answer["stop_type"] == "limit" and answer["stopping_word"] == ""
+    assert answer["tokens_predicted"] == 5 and len(answer["tokens"]) == 5
+    n_prompt = len(tokenize(server, PROMPT, add_special=True))
+    assert answer["tokens_evaluated"] == n_prompt
+    timings = answer["timings"]
+    assert set(timings) == TIMING_KEYS
+    assert timings["predicted_n"] == 5 and timings["prompt_n"] + timings["cache_n"] == n_prompt
+    assert timings["prompt_ms"] >= 0 and timings["predicted_ms"] >= 0
+    assert post(server, "/detokenize", {"tokens": answer["tokens"]}).json()["content"] == answer["content"]
+    assert answer["generation_settings"]["n_predict"] == 5 and answer["generation_settings"]["temperature"] == 0
+    assert answer["prompt"] == PROMPT
+    assert answer["has_new_line"] == ("\n" in answer["content"])
+    # Without return_tokens, no tokens; a prompt again is taken from the cache.
+    long = {**body, "prompt": PROMPT + " a city that " * 10, "return_tokens": False}
+    post(server, "/completion", long)
+    again = post(server, "/completion", long).json()
+    assert again["tokens"] == [] and again["timings"]["cache_n"] > 0
+    assert again["timings"]["prompt_n"] + again["timings"]["cache_n"] == again["tokens_evaluated"]
+
+
+def test_unprefixed_completions_is_the_native_format(server: ServerProcess) -> None:
+    answer = post(server, "/completions", {"prompt": PROMPT, "n_predict": 2}).json()
+    assert {"content", "stop", "timings"} <= set(answer) and "choices" not in answer
+    # /v1/completions stays OpenAI's.
+    assert "choices" in post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).json()
+
+
+def test_stream_objects_and_final(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "n_predict": 6, "ignore_eos": True, "temperature": 0}
+    objects = stream_objects(server, "/completion", body)
+    *partials, final = objects
+    assert final["stop"] is True and set(final) == FINAL_KEYS
+    assert final["content"] == "" and final["tokens"] == [] and final["stop_type"] == "limit"
+    assert final["tokens_predicted"] == 6 and final["timings"]["predicted_n"] == 6
+    tokens = [t for p in partials for t in p["tokens"]]
+    assert len(tokens) == 6
+    assert all(p["stop"] is False and p["tokens"] for p in partials)
+    assert [p["tokens_predicted"] for p in partials] == sorted(p["tokens_predicted"] for p in partials)
+    content = "".join(p["content"] for p in partials)
+    assert post(server, "/detokenize", {"tokens": tokens}).json()["content"] == content
+    # The same greedy request, whole, on the same machine: the same text.
+    assert post(server, "/completion", body).json()["content"] == content
+
+
+def test_timings_per_token_and_probabilities(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "n_predict": 3, "ignore_eos": True, "n_probs": 4, "timings_per_token": True}
+    *partials, final = stream_objects(server, "/completion", body)
+    assert "completion_probabilities" not in final
+    for partial in partials:
+        assert set(partial["timings"]) == TIMING_KEYS
+        (entry,) = partial["completion_probabilities"]
+        assert entry["id"] == partial["tokens"][0] and entry["logprob"] <= 0
+        assert len(entry["top_logprobs"]) == 4
+    whole = post(server, "/completion", {**body, "timings_per_token": False}).json()
+    probs = whole["completion_probabilities"]
+    assert len(probs) == 3
+    for entry in probs:
+        assert {"id", "token", "bytes", "logprob", "top_logprobs"} == set(entry)
+        assert bytes(entry["bytes"]).decode("utf-8", "ignore") == entry["token"]
+        assert all(alt["logprob"] <= 0 for alt in entry["top_logprobs"])
+
+
+def test_stop_word_under_a_grammar(server: ServerProcess) -> None:
+    # The grammar fixes the text, so where the stop string falls is known.
+    body = {"prompt": "Say it:", "grammar": 'root ::= "hello world, again"', "stop": ["world"], "n_predict": 20}
+    answer = post(server, "/completion", body).json()
+    assert answer["content"] == "hello "
+    assert answer["stop_type"] == "word" and answer["stopping_word"] == "world"
+    (last,) = stream_objects(server, "/completion", body)[-1:]
+    assert last["stop_type"] == "word" and last["stopping_word"] == "world"
+
+
+def test_response_fields(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "n_predict": 2, "response_fields": ["content", "generation_settings/n_predict", "nope"]}
+    answer = post(server, "/completion", body).json()
+    assert set(answer) == {"content", "generation_settings/n_predict"}
+    assert answer["generation_settings/n_predict"] == 2
+
+
+def test_prompt_forms(server: ServerProcess) -> None:
+    tokens = tokenize(server, PROMPT, add_special=True)
+    body = {"n_predict": 4, "temperature": 0}
+    from_text = post(server, "/completion", {**body, "prompt": PROMPT}).json()["content"]
+    assert post(server, "/completion", {**body, "prompt": tokens}).json()["content"] == from_text
+    both = post(server, "/completion", {**body, "prompt": [tokens, PROMPT]}).json()
+    assert isinstance(both, list) and [a["index"] for a in both] == [0, 1]
+    assert [a["content"] for a in both] == [from_text, from_text]
+    wrapped = post(server, "/completion", {**body, "prompt": {"prompt_string": PROMPT}}).json()
+    assert wrapped["content"] == from_text
+    native_error(post(server, "/completion", {**body, "prompt": {"prompt_string": "x", "multimodal_data": "AAA"}}), 400)
+    native_error(post(server, "/completion", {"n_predict": 1}), 400)
+    for bad in ([1, -3, 5], [[1, -3]], [1, True, "x"], [10**9], ["x", -1]):  # ids outside the vocabulary
+        native_error(post(server, "/completion", {**body, "prompt": bad}), 400)
+    assert httpx.get(server.url + "/health").status_code == 200  # still up
+
+
+def test_logit_bias_forms(server: ServerProcess) -> None:
+    # Banning the greedy first token (by id, by text, or with false) changes the first token.
+    body = {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True}
+    (first,) = post(server, "/completion", body).json()["tokens"]
+    text = post(server, "/detokenize", {"tokens": [first]}).json()["content"]
+    for bias in ([[first, False]], {str(first): -100}, [[text, -100]]):
+        (other,) = post(server, "/completion", {**body, "logit_bias": bias}).json()["tokens"]
+        assert other != first, bias
+
+
+def test_refused_and_neutral_fields(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "n_predict": 1}
+    for field, value in [("mirostat", 2), ("typical_p", 0.5), ("id_slot", 9), ("post_sampling_probs", True)]:
+        error = native_error(post(server, "/completion", {**body, field: value}), 400)
+        assert field in error["message"]
+    native_error(post(server, "/completion", {**body, "mirostat_tau": 3.0, "mirostat": 1}), 400)
+    native_error(post(server, "/completion", {**body, "made_up": 1}), 400)
+    # At the values that switch them off, llama-server's other samplers change nothing.
+    neutral = {"mirostat": 0, "mirostat_tau": 5.0, "typical_p": 1.0, "dry_multiplier": 0.0, "xtc_probability": 0.0}
+    neutral |= {"cache_prompt": False, "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p"]}
+    neutral["samplers"] += ["min_p", "xtc", "temperature"]
+    assert post(server, "/completion", {**body, **neutral}).status_code == 200
+
+
+def test_context_overflow_in_llama_servers_shape(server: ServerProcess) -> None:
+    error = native_error(post(server, "/completion", {"prompt": "hello " * 3000}), 400, "exceed_context_size_error")
+    assert error["n_ctx"] == 1024 and error["n_prompt_tokens"] > 1024
+
+
+def test_cancelled_stream_frees_its_sequence(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "n_predict": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/completion", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    wait_for(lambda: server.metrics()["llama_trio_active_sequences"] == 0, "the sequence freed", 30)
+    assert all(not s["is_processing"] for s in httpx.get(server.url + "/slots").json())
+
+
+def test_llamacpp_metric_names(server: ServerProcess) -> None:
+    before = server.metrics()
+    answer = post(server, "/completion", {"prompt": PROMPT + " (metrics)", "n_predict": 3, "ignore_eos": True}).json()
+    response = httpx.get(server.url + "/metrics")
+    assert int(response.headers["Process-Start-Time-Unix"]) > 0
+    for name, kind in [("prompt_tokens_total", "counter"), ("requests_processing", "gauge")]:
+        assert f"# TYPE llamacpp:{name} {kind}\n" in response.text and f"# HELP llamacpp:{name} " in response.text
+    after = server.metrics()
+    grown = after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
+    assert grown >= answer["timings"]["predicted_n"] == 3  # other tests' requests may finish meanwhile
+    assert after["llamacpp:prompt_tokens_total"] == after["llama_trio_tokens_total{kind=prompt}"]
+    assert after["llamacpp:n_decode_total"] == after["llama_trio_decode_steps_total"]
+    assert after["llamacpp:n_tokens_max_total"] >= answer["tokens_evaluated"] + 3
+
+
+# -- /apply-template and assistant prefill --------------------------------------------------------
+
+
+def test_apply_template_and_prefill(server: ServerProcess) -> None:
+    user = [{"role": "user", "content": "Hi"}]
+    opened = post(server, "/apply-template", {"messages": user}).json()["prompt"]
+    assert opened.endswith("<|im_start|>assistant\n")
+    closed = post(server, "/apply-template", {"messages": user, "add_generation_prompt": False}).json()["prompt"]
+    assert opened.startswith(closed) and not closed.endswith("assistant\n")
+    prefill = [*user, {"role": "assistant", "content": "Hello, I am"}]
+    continued = post(server, "/apply-template", {"messages": prefill}).json()["prompt"]
+    assert continued == opened + "Hello, I am"
+    fresh = post(server, "/apply-template", {"messages": prefill, "continue_final_message": False}).json()["prompt"]
+    assert fresh.endswith("Hello, I am<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_prefill_continues_the_message(server: ServerProcess) -> None:
+    prefill = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}]
+    text = post(server, "/apply-template", {"messages": prefill}).json()["prompt"]
+    n_prompt = len(tokenize(server, text, add_special=True))
+    body = {"messages": prefill, "max_tokens": 2}
+    continued = post(server, "/v1/chat/completions", body).json()
+    assert continued["usage"]["prompt_tokens"] == n_prompt
+    counted = post(server, "/v1/chat/completions/input_tokens", {"messages": prefill}).json()
+    assert counted == {"input_tokens": n_prompt}
+    fresh = post(server, "/v1/chat/completions", {**body, "continue_final_message": False}).json()
+    assert fresh["usage"]["prompt_tokens"] > n_prompt  # the turn closed and a new one opened
+    two = [*prefill, {"role": "assistant", "content": "three"}]
+    assert post(server, "/v1/chat/completions", {"messages": two}).status_code == 400
+    both = {**body, "continue_final_message": True, "add_generation_prompt": True}
+    assert post(server, "/v1/chat/completions", both).status_code == 400
+    alone = {"messages": prefill[:1], "continue_final_message": True}
+    assert post(server, "/v1/chat/completions", alone).status_code == 400
+
+
+def test_llama_server_response_formats_on_the_openai_route(server: ServerProcess) -> None:
+    ask = {"messages": [{"role": "user", "content": "Pick a color."}], "max_tokens": 12}
+    colors = {"enum": ["red", "green", "blue"]}
+    for form in (
+        {"type": "json_object", "schema": colors},  # llama-server's: an object type with a schema
+        {"type": "json_schema", "json_schema": {"schema": colors}},  # no name: llama-server and vLLM take it
+    ):
+        answer = post(server, "/v1/chat/completions", {**ask, "response_format": form}).json()
+        assert json.loads(answer["choices"][0]["message"]["content"]) in colors["enum"]
+    misplaced = post(server, "/v1/chat/completions", {**ask, "response_format": {"type": "text", "schema": colors}})
+    assert misplaced.status_code == 400 and misplaced.json()["error"]["param"] == "response_format.schema"
+
+
+# -- /props, /slots, /infill ----------------------------------------------------------------------
+
+
+def test_props(server: ServerProcess) -> None:
+    props = httpx.get(server.url + "/props").json()
+    assert props["total_slots"] == 4 and props["model_path"].endswith(".gguf")
+    assert props["default_generation_settings"]["n_ctx"] == 1024
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8
+    assert "<|im_start|>" in props["chat_template"]
+    assert props["endpoint_slots"] is True and props["endpoint_props"] is False
+    native_error(httpx.post(server.url + "/props", json={}), 501, "not_supported_error")
+
+
+def test_slots_follow_a_running_job(server: ServerProcess) -> None:
+    slots = httpx.get(server.url + "/slots").json()
+    assert [s["id"] for s in slots] == [0, 1, 2, 3]
+    assert all(s["n_ctx"] == 1024 and not s["is_processing"] for s in slots)
+    assert all("prompt" not in s and "params" not in s for s in slots)  # counts only
+    done = threading.Event()
+    answers: list[httpx.Response] = []
+
+    def run() -> None:
+        try:
+            answers.append(post(server, "/completion", {"prompt": PROMPT, "n_predict": 40, "ignore_eos": True}, 600))
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    try:
+        wait_for(
+            lambda: done.is_set() or any(s["is_processing"] for s in httpx.get(server.url + "/slots").json()),
+            "a busy slot",
+            120,
+        )
+        assert not done.is_set()
+    finally:
+        worker.join(600)
+    assert answers and answers[0].status_code == 200
+    assert not any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
+
+
+def test_id_slot_pins_the_sequence(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT + " (pinned)", "n_predict": 2, "ignore_eos": True, "id_slot": 2}
+    answer = post(server, "/completion", body).json()
+    assert answer["id_slot"] == 2
+    # The sequence holds this prompt and what was generated after it (the last token may not be in KV).
+    cached = httpx.get(server.url + "/slots").json()[2]["n_cached_tokens"]
+    assert answer["tokens_evaluated"] <= cached <= answer["tokens_evaluated"] + 2
+    # With n = 2 the prompt runs in the named slot, its copy in another.
+    both = post(server, "/completion", {**body, "n": 2, "id_slot": 3}).json()
+    assert [a["id_slot"] for a in both] == [3, -1] and all(a["tokens_predicted"] == 2 for a in both)
+    assert httpx.get(server.url + "/slots").json()[3]["n_cached_tokens"] >= answer["tokens_evaluated"]
+    assert post(server, "/completion", {**body, "prompt": [PROMPT, PROMPT]}).status_code == 400  # two prompts
+    chat = {"messages": [{"role": "user", "content": "Hi, slot one"}], "max_tokens": 1, "id_slot": 1}
+    usage = post(server, "/v1/chat/completions", chat).json()["usage"]
+    cached = httpx.get(server.url + "/slots").json()[1]["n_cached_tokens"]
+    assert usage["prompt_tokens"] <= cached <= usage["total_tokens"]
+
+
+def test_infill_needs_fim_tokens(server: ServerProcess) -> None:
+    # SmolLM2 has no fill-in-the-middle tokens: llama-server answers the same way.
+    body = {"input_prefix": "def f():\n", "input_suffix": "\n", "prompt": "    return"}
+    error = native_error(post(server, "/infill", body), 501, "not_supported_error")
+    assert "FIM" in error["message"]
+
+
+def test_slot_actions_without_a_folder(server: ServerProcess) -> None:
+    native_error(post(server, "/slots/0?action=save", {"filename": "a.bin"}), 501, "not_supported_error")
+
+
+@pytest.fixture(scope="module")
+def slot_folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("slots")
+
+
+@pytest.fixture(scope="module")
+def configured(slot_folder: pathlib.Path):
+    folder = slot_folder
+    args = ["--parallel", "1", "--ctx-size", "512", "--threads", "2", "--no-slots", "--seed", "7", "--temp", "0"]
+    args += ["--chat-template", "llama3", "--cors-origin", "localhost"]
+    with serving([*args, "--slot-save-path", str(folder)]) as proc:
+        yield proc
+
+
+def test_server_defaults_and_no_slots(configured: ServerProcess) -> None:
+    params = httpx.get(configured.url + "/props").json()["default_generation_settings"]["params"]
+    assert params["seed"] == 7 and params["temperature"] == 0
+    answer = post(configured, "/completion", {"prompt": PROMPT, "n_predict": 1}).json()
+    assert answer["generation_settings"]["seed"] == 7
+    native_error(httpx.get(configured.url + "/slots"), 501, "not_supported_error")
+
+
+def test_builtin_template_by_name(configured: ServerProcess) -> None:
+    prompt = post(configured, "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}).json()["prompt"]
+    assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n") and "Hi<|eot_id|>" in prompt
+
+
+def test_cors_localhost_keyword(configured: ServerProcess) -> None:
+    for origin, allowed in [("http://localhost:5173", True), ("http://[::1]", True), ("http://evil.test", False)]:
+        response = httpx.options(configured.url + "/completion", headers={"Origin": origin})
+        assert response.headers.get("Access-Control-Allow-Origin") == (origin if allowed else None)
+
+
+@pytest.mark.parametrize("filename", ["../escape.bin", "/tmp/abs.bin", ".hidden", "a/b.bin", "", 7])
+def test_slot_file_names_stay_in_the_folder(configured: ServerProcess, filename: object) -> None:
+    native_error(post(configured, "/slots/0?action=save", {"filename": filename}), 400)
+
+
+def test_slot_actions_are_checked(configured: ServerProcess) -> None:
+    native_error(post(configured, "/slots/5?action=save", {"filename": "a.bin"}), 400)
+    native_error(post(configured, "/slots/0?action=explode", {"filename": "a.bin"}), 400)
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "missing.bin"}), 404, "not_found_error")
+
+
+def test_slot_save_erase_restore(configured: ServerProcess) -> None:
+    prompt = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
+    body = {"prompt": prompt, "n_predict": 2, "ignore_eos": True}
+    first = post(configured, "/completion", body).json()
+    n_prompt = first["tokens_evaluated"]
+    saved = post(configured, "/slots/0?action=save", {"filename": "story.bin"}).json()
+    assert saved["n_saved"] >= n_prompt and saved["n_written"] > 0 and saved["timings"]["save_ms"] >= 0
+    erased = post(configured, "/slots/0?action=erase", {}).json()
+    assert erased == {"id_slot": 0, "n_erased": saved["n_saved"]}
+    assert post(configured, "/completion", body).json()["timings"]["cache_n"] == 0  # gone: computed again
+    post(configured, "/slots/0?action=erase", {})
+    restored = post(configured, "/slots/0?action=restore", {"filename": "story.bin"}).json()
+    assert restored["n_restored"] == saved["n_saved"] and restored["n_read"] == saved["n_written"]
+    # The restored cells serve the prompt again, as the first request's did.
+    again = post(configured, "/completion", body).json()
+    assert again["timings"]["cache_n"] >= n_prompt - 1
+
+
+def test_slot_files_are_checked(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
+    post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
+    assert post(configured, "/slots/0?action=save", {"filename": "good.bin"}).status_code == 200
+    good = (slot_folder / "good.bin").read_bytes()
+    (slot_folder / "bad.bin").write_bytes(b"not a slot" + good[10:])
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "bad.bin"}), 400)
+    (slot_folder / "cut.bin").write_bytes(good[:20])
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "cut.bin"}), 400)
+    (slot_folder / "other.bin").write_bytes(good.replace(b"fp_", b"fx_", 1))  # another model's
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "other.bin"}), 400)
+    (slot_folder / "link.bin").symlink_to(slot_folder / "good.bin")
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "link.bin"}), 400)
+    assert post(configured, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200
+    assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_busy_slot_is_a_409(configured: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "n_predict": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", configured.url + "/completion", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        error = native_error(post(configured, "/slots/0?action=save", {"filename": "busy.bin"}), 409)
+        assert "running" in error["message"]
+    wait_for(lambda: configured.metrics()["llama_trio_active_sequences"] == 0, "the sequence freed", 60)
+
+
+def test_slots_stay_within_a_tenant(tmp_path: pathlib.Path) -> None:
+    args = ["--parallel", "1", "--ctx-size", "512", "--threads", "2", "--api-key", "alice", "--api-key", "bob"]
+    with serving([*args, "--slot-save-path", str(tmp_path)]) as server:
+
+        def as_(key: str, path: str, body: dict) -> httpx.Response:
+            return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+        as_("alice", "/completion", {"prompt": "Alice's secret plan is to", "n_predict": 1})
+        # Bob can neither save nor erase what Alice's request left in the sequence.
+        native_error(as_("bob", "/slots/0?action=save", {"filename": "x.bin"}), 409)
+        native_error(as_("bob", "/slots/0?action=erase", {}), 409)
+        assert as_("alice", "/slots/0?action=save", {"filename": "alice.bin"}).status_code == 200
+        # Nor restore, nor overwrite, Alice's file.
+        native_error(as_("bob", "/slots/0?action=restore", {"filename": "alice.bin"}), 404, "not_found_error")
+        native_error(as_("bob", "/slots/0?action=save", {"filename": "alice.bin"}), 409)
+        assert as_("alice", "/slots/0?action=restore", {"filename": "alice.bin"}).status_code == 200
+        anonymous = httpx.post(server.url + "/slots/0?action=erase", json={})
+        assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"

@@ -1,0 +1,195 @@
+"""The pure parts of llama.cpp's native API: body parsing, the answer's fields, the FIM prompt."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from server.api import native_render, native_schema, slot_file
+from server.api.native_infill import Extra, Fim, extra_chunks, infill_tokens
+from server.engine import TokenLogprob, Usage
+
+
+class FakeVocab:
+    """Each character a token (its code point); 0 and 1 end generation."""
+
+    n_tokens = 1000
+    eog_tokens = frozenset({0, 1})
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def parse(**body: object) -> tuple:
+    return native_schema.completion_request({"prompt": "x", **body}, [[5, 6]], FakeVocab())
+
+
+def test_defaults_are_llama_servers() -> None:
+    req, options = parse()
+    assert (req.temperature, req.top_k, req.top_p, req.min_p) == (0.8, 40, 0.95, 0.05)
+    assert req.max_tokens is None and req.seed is None and req.prompt == [5, 6]
+    assert options.seed == native_schema.LLAMA_DEFAULT_SEED and options.n_predict == -1
+    req, options = native_schema.completion_request(
+        {"prompt": "x"}, [[5]], FakeVocab(), native_schema.Defaults(temperature=0.0, seed=9)
+    )
+    assert req.temperature == 0.0 and req.seed == 9 and options.seed == 9
+
+
+def test_aliases_clamps_and_limits() -> None:
+    req, options = parse(max_tokens=7, logprobs=3, n_cmpl=2, temperature=5.0, top_p=1.5)
+    assert req.max_tokens == 7 and req.logprobs == 3 and options.n_probs == 3 and req.n == 2
+    assert req.temperature == 2.0 and req.top_p == 1.0  # brought into range, as there
+    with pytest.raises(native_schema.NativeError):
+        parse(n_predict=0)
+    with pytest.raises(native_schema.NativeError):
+        parse(n_probs=21)
+    with pytest.raises(native_schema.NativeError):
+        parse(stream="yes")
+    with pytest.raises(native_schema.NativeError):
+        parse(stop=[1])
+    with pytest.raises(native_schema.NativeError):  # the OpenAI routes' bounds hold here too
+        parse(stop=["x"] * 17)
+    with pytest.raises(native_schema.NativeError):
+        parse(cache_salt="")
+    with pytest.raises(native_schema.NativeError):
+        parse(logit_bias=[[1, 1]] * 301)
+
+
+@pytest.mark.parametrize(
+    ("body", "refused"),
+    [
+        ({"mirostat": 1}, "mirostat"),
+        ({"mirostat": 0, "mirostat_eta": 0.3}, None),
+        ({"mirostat": 2, "mirostat_eta": 0.3}, "mirostat"),
+        ({"mirostat_eta": 0.3}, None),  # mirostat is off by default
+        ({"xtc_probability": 0.5, "xtc_threshold": 0.1}, "xtc_probability"),
+        ({"typical_p": 1.0, "top_n_sigma": -1, "dry_multiplier": 0}, None),
+        ({"typical_p": 0.9}, "typical_p"),
+        ({"dry_base": 1.75}, None),
+        ({"dry_multiplier": 0.8, "dry_base": 1.75}, "dry_multiplier"),
+        ({"samplers": ["top_k", "temperature"]}, "samplers"),
+        ({"samplers": "edskypmxt"}, None),
+        ({"repeat_last_n": 128}, None),  # no penalties: no window
+        ({"repeat_last_n": 128, "repeat_penalty": 1.1}, "repeat_last_n"),
+        ({"repeat_last_n": 64, "repeat_penalty": 1.1}, None),
+        ({"id_slot": -1, "cache_prompt": False, "n_keep": 10}, None),
+        ({"id_slot": 0}, None),  # a field of ours
+        ({"lora": [{"id": 0, "scale": 1.0}]}, "lora"),
+        ({"whatever": 1}, "whatever"),
+        ({"whatever": None}, None),
+    ],
+)
+def test_fields_refused_unless_off(body: dict, refused: str | None) -> None:
+    assert native_schema.refused_field(body, native_schema.COMPLETION_FIELDS) == refused
+
+
+def test_logit_bias_forms() -> None:
+    vocab = FakeVocab()
+    assert native_schema.logit_bias([[65, 1.5], ["7", -2]], vocab) == {"65": 1.5, "7": -2.0}
+    assert native_schema.logit_bias({"66": False}, vocab) == {"66": -math.inf}
+    assert native_schema.logit_bias([["ab", -100]], vocab) == {"97": -100.0, "98": -100.0}
+    assert native_schema.logit_bias([[5000, 1]], vocab) is None  # outside the vocabulary: skipped
+    assert native_schema.logit_bias(None, vocab, ignore_eos=True) == {"0": -math.inf, "1": -math.inf}
+    for bad in ([[1]], [[1, "x"]], "x", [[None, 1]], [[1, math.nan]]):
+        with pytest.raises(native_schema.NativeError):
+            native_schema.logit_bias(bad, vocab)
+
+
+def test_stop_reason() -> None:
+    assert native_render.stop_reason("length", "ab", "ab", ["x"]) == ("limit", "")
+    assert native_render.stop_reason("stop", "hello ", "hello world", ["zz", "world"]) == ("word", "world")
+    assert native_render.stop_reason("stop", "hello", "hello", ["world"]) == ("eos", "")
+    assert native_render.stop_reason("cancelled", "", "", []) == ("none", "")
+
+
+def test_pick_fields() -> None:
+    payload = {"content": "x", "generation_settings": {"n_predict": 3}, "timings": {"a": 1}}
+    picked = native_render.pick_fields(payload, ["content", "generation_settings/n_predict", "missing/x", "timings"])
+    assert picked == {"content": "x", "generation_settings/n_predict": 3, "timings": {"a": 1}}
+
+
+def test_timings_exclude_the_first_token_from_the_rate() -> None:
+    usage = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=4)
+    t = native_render.timings(usage, native_render.Timing(first=0.5, last=1.3), 5)
+    assert t["prompt_n"] == 6 and t["cache_n"] == 4 and t["predicted_n"] == 5
+    assert t["prompt_ms"] == pytest.approx(500) and t["predicted_ms"] == pytest.approx(800)
+    assert t["predicted_per_second"] == pytest.approx(4 / 0.8)
+    one = native_render.timings(Usage(3, 1, 0), native_render.Timing(first=0.2, last=0.2), 1)
+    assert one["predicted_per_second"] == 0.0 and one["predicted_per_token_ms"] == 0.0
+    assert all(math.isfinite(v) and v >= 0 for v in one.values())
+
+
+def test_probabilities_have_no_infinities() -> None:
+    items = [TokenLogprob(65, -math.inf, ((65, -math.inf), (66, -0.5)))]
+    (entry,) = native_render.probabilities(items, lambda t: bytes([t]))
+    assert entry["logprob"] == native_render.LOWEST_LOGPROB and entry["token"] == "A"
+    assert entry["top_logprobs"] == [{"id": 66, "token": "B", "bytes": [66], "logprob": -0.5}]
+
+
+FIM = Fim(prefix=900, suffix=901, middle=902, repository=903, separator=904, bos=None)
+
+
+def chars(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_infill_layout() -> None:
+    tokens = infill_tokens(
+        FIM, chars, prefix="ab", suffix="cd", prompt="P", extra=[Extra("f.h", "x")], n_batch=64, room=100
+    )
+    expected = [903, *chars("myproject\n"), 904, *chars("f.h\n"), *chars("x"), 904, *chars("filename\n")]
+    expected += [900, *chars("abP"), 901, *chars("cd"), 902]
+    assert tokens == expected
+
+
+def test_infill_cuts_prefix_suffix_and_extra() -> None:
+    no_repo = Fim(prefix=900, suffix=901, middle=902, repository=None, separator=None, bos=7)
+    tokens = infill_tokens(no_repo, chars, prefix="a" * 50, suffix="b" * 50, prompt="", extra=[], n_batch=16, room=0)
+    # 3/4 of the batch for the prefix (its end), the rest less two for the suffix (its start).
+    assert tokens == [7, 900, *chars("a" * 12), 901, *chars("b" * 2), 902]
+    snippet = infill_tokens(
+        no_repo, chars, prefix="", suffix="", prompt="", extra=[Extra("n", "t")], n_batch=16, room=5
+    )
+    assert snippet[:5] == chars("---\n\nt")[-5:]  # the extra text's end, within its room
+
+
+def test_extra_chunks_are_checked() -> None:
+    assert extra_chunks([{"text": "a"}]) == [Extra("tmp", "a")]
+    for bad in ({}, [{}], [{"filename": "ok"}], [{"filename": 1, "text": "a"}], [{"text": 5}]):
+        with pytest.raises(native_schema.NativeError):
+            extra_chunks(bad)
+
+
+def test_slot_file_round_trip(tmp_path) -> None:
+    path = str(tmp_path / "s.bin")
+    written = slot_file.write(path, "fp_1", "a:", [5, 70000, 0], b"\x01\x02state")
+    tokens, state, size = slot_file.read(path, "fp_1", "a:")
+    assert (tokens, state, size) == ([5, 70000, 0], b"\x01\x02state", written)
+    with pytest.raises(slot_file.SlotFileError, match="another model"):
+        slot_file.read(path, "fp_2", "a:")
+    with pytest.raises(slot_file.NotOwner):  # another tenant: neither read nor replaced
+        slot_file.read(path, "fp_1", "b:")
+    with pytest.raises(slot_file.NotOwner):
+        slot_file.write(path, "fp_1", "b:", [1], b"x")
+    assert b"a:" not in (tmp_path / "s.bin").read_bytes()  # the owner only as a digest
+    raw = (tmp_path / "s.bin").read_bytes()
+    for bad in (b"", b"LLTRSLOT", raw[:-12], b"X" + raw[1:]):
+        with pytest.raises(slot_file.SlotFileError):
+            slot_file.decode(bad, "fp_1", "a:")
+    assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
+
+
+def test_slot_op_refusals() -> None:
+    from server.engine.choice import Slot
+    from server.engine.slot_ops import SlotBusy, SlotOp, refusal
+
+    slot = Slot(0)
+    assert refusal(SlotOp("save", 0, "a:"), slot) is None  # empty: anyone's
+    slot.cached, slot.scope = [1, 2], "b:"
+    assert isinstance(refusal(SlotOp("save", 0, "a:"), slot), SlotBusy)  # another tenant's cache
+    assert isinstance(refusal(SlotOp("erase", 0, "a:"), slot), SlotBusy)
+    assert refusal(SlotOp("restore", 0, "a:"), slot) is None  # replaces it, reads nothing
+    assert refusal(SlotOp("save", 0, "b:"), slot) is None
+    slot.choice = object()  # type: ignore[assignment]
+    assert isinstance(refusal(SlotOp("restore", 0, "b:"), slot), SlotBusy)
