@@ -10,8 +10,11 @@ import threading
 import httpx
 import pytest
 
+from bench.random_model import SHAPES, write_model
 from tests.support.process import ServerProcess, serving
 from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.server
 
 PROMPT = "The capital of France is"
 FINAL_KEYS = {
@@ -499,3 +502,25 @@ def test_slots_stay_within_a_tenant(tmp_path: pathlib.Path) -> None:
         assert as_("alice", "/slots/0?action=restore", {"filename": "alice.bin"}).status_code == 200
         anonymous = httpx.post(server.url + "/slots/0?action=erase", json={})
         assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
+
+
+def test_native_routes_name_their_model(tmp_path: pathlib.Path, model_path: pathlib.Path) -> None:
+    """With several models, a body's ``model`` (or ``?model=`` on GET) picks the one a native
+    route uses, loaded on demand as on the OpenAI routes; an unknown one is a 404 in llama-server's
+    shape, and a non-string one a 400."""
+    write_model(model_path, tmp_path / "tiny.gguf", SHAPES["tiny"], seed=3)
+    args = ["--parallel", "2", "--ctx-size", "1024", "--threads", "2", "--cache-ram", "0"]
+    with serving([*args, "--model", f"smol={model_path}", "--model", f"tiny={tmp_path / 'tiny.gguf'}"]) as server:
+        answer = post(server, "/completion", {"model": "tiny", "prompt": PROMPT, "n_predict": 4, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "tiny" and answer.json()["tokens_predicted"] == 4
+        props = httpx.get(server.url + "/props", params={"model": "tiny"}, timeout=60).json()
+        assert props["model_alias"] == "tiny" and props["model_path"].endswith("tiny.gguf")
+        assert httpx.get(server.url + "/props", params={"model": "smol"}, timeout=60).json()["model_alias"] == "smol"
+        # Same tokenizer, so the same tokens; each route answered by the model it named.
+        assert tokenize(server, PROMPT, model="tiny") == tokenize(server, PROMPT, model="smol")
+        native_error(post(server, "/completion", {"model": "nope", "prompt": PROMPT}), 404, "not_found_error")
+        native_error(post(server, "/tokenize", {"model": 7, "content": PROMPT}), 400)
+        slots = httpx.get(server.url + "/slots", params={"model": "tiny"}, timeout=60).json()
+        assert [slot["id"] for slot in slots] == [0, 1]
+        assert server.metrics()["llama_trio_active_sequences"] == 0
