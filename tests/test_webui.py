@@ -31,6 +31,8 @@ STRICT_CTX = 512  # one sequence of 512 cells: a long message is a 400
 NO_END = json.dumps({"logit_bias": NO_END_TOKENS})  # answers run to max tokens
 STOPPED = re.compile(r"^TTFT \d+ ms · \d+\.\d tokens/s · (\d+) tokens · stopped$")  # no usage chunk came
 STATS = re.compile(r"^TTFT \d+ ms · \d+\.\d tokens/s · (\d+) tokens · (\d+)/(\d+) prompt tokens cached(?: · (.+))?$")
+# An answer a grammar forces whole arrives in one or two pieces (fast-forward), so no rate.
+FORCED_STATS = re.compile(r"^TTFT \d+ ms · (?:\d+\.\d tokens/s · )?(\d+) tokens · (\d+)/(\d+) prompt tokens cached$")
 # What the model is made to write (a grammar allows only this text): markup that would run
 # script if it were ever parsed as HTML, in the text and inside a fenced code block.
 HOSTILE_TEXT = '<img src=x onerror="window.pwned=1"> <script>window.pwned=2</script>'
@@ -169,13 +171,13 @@ def test_stop_frees_the_sequence_within_a_second(page: ChatPage, server: ServerP
 
 @pytest.mark.browser
 def test_model_output_is_text_and_runs_nothing(page: ChatPage, server: ServerProcess) -> None:
-    # The grammar makes the real model write exactly HOSTILE_ANSWER, streamed token by token
-    # through the page's own rendering; the user's message carries markup too.
+    # The grammar makes the real model write exactly HOSTILE_ANSWER, streamed through the page's
+    # own rendering (in few pieces: the grammar forces it); the user's message carries markup too.
     extra = json.dumps({"grammar": "root ::= " + json.dumps(HOSTILE_ANSWER)})
     page.settings(temperature="0", max_tokens="120", extra=extra)
     page.send('Repeat: <img src=x onerror="window.pwned=5"><script>window.pwned=6</script>')
     stats = page.wait_answered(1)
-    assert STATS.match(stats), stats
+    assert FORCED_STATS.match(stats), stats
     assert page.texts(".msg.user .content") == [
         'Repeat: <img src=x onerror="window.pwned=5"><script>window.pwned=6</script>'
     ]
