@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 CHATS_ARGS ?=
 
-.PHONY: setup pyc run test test-unit browser nginx rpc-server bench bench-binding bench-engine lint llama ffi clean
+.PHONY: setup pyc run test test-unit browser nginx rpc-server bench bench-binding bench-engine peer-suite lint llama ffi clean
 
 setup: ffi $(VENV)/.model pyc
 
@@ -97,6 +97,12 @@ bench: setup $(VENV)/.bench
 	PYTHON=$(PY) vendor/build.sh llama-server
 	$(PY) -m bench.serving $(BENCH_ARGS)
 	$(PY) -m bench.chats $(CHATS_ARGS)
+
+# llama.cpp's own server test suite against llama-server and ours (a measurement, not a test;
+# PEER_ARGS="--quick" for llama.cpp's own routes only). Writes bench/results/peer_suite.{json,md}.
+peer-suite: setup $(VENV)/.bench
+	PYTHON=$(PY) vendor/build.sh llama-server
+	$(PY) -m bench.peer_suite $(PEER_ARGS)
 
 lint: setup
 	$(PY) -m ruff check ffi server tests bench build_ffi.py setup.py

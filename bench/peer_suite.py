@@ -298,24 +298,28 @@ def load(paths: list[str]) -> tuple[list[str], dict[str, SideResult]]:
 
 
 def report(files: list[str], results: dict[str, SideResult], out: pathlib.Path) -> None:
+    """Print the table and what llama-server passes and we do not; write the JSON to ``out``
+    and the same text beside it as markdown."""
     header = ["file", "tests", "llama-server passes", "ours passes", "llama-server only"]
-    print(markdown_table(header, summary_rows(files, results)))
-    for side, result in results.items():
-        print(f"{side}: {result.seconds:.0f} s")
+    lines = [markdown_table(header, summary_rows(files, results)), ""]
+    lines += [f"{side}: {result.seconds:.0f} s" for side, result in results.items()]
     if "llama-server" in results and "ours" in results:
         theirs, ours = results["llama-server"].tests, results["ours"].tests
         gap = sorted(k for k in theirs if _passed(theirs, k) and not _passed(ours, k))
         if gap:
-            print("\nllama-server passes, ours does not:")
+            lines += ["", "llama-server passes, ours does not:", ""]
             for key in gap:
                 outcome = ours.get(key, Outcome("missing"))
-                print(f"  {key}: {outcome.status}: {outcome.message}")
+                lines.append(f"- `{key}`: {outcome.status}: {outcome.message[:300]}")
+    text = "\n".join(lines)
+    print(text)
     payload = {
         side: {"seconds": round(r.seconds, 1), "tests": {k: vars(o) for k, o in sorted(r.tests.items())}}
         for side, r in results.items()
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"files": files, "sides": payload}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from tests.support.process import ServerProcess, serving
 from tests.test_fuzz import hostile, numbers, texts
 
+pytestmark = pytest.mark.server
+
 MAX_TOKENS_CEILING = 4
 MAX_EXAMPLES = 80  # per route; each may decode a few tokens
 NATIVE_FIELDS = [
