@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from bench.server import JSON_FORMAT
+from bench.support.workload import JSON_FORMAT
 from tests.support.process import NO_END_TOKENS, ServerProcess
 
 SERVER_ARGS = ["--parallel", "4", "--ctx-size", "4096", "--threads", "2"]

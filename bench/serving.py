@@ -26,6 +26,10 @@ One run of a side starts a fresh server and measures, in this order:
 - TTFT (request sent to the first non-empty content delta, connect included) p50 and p95 at
   1 and 4 concurrent streams: clients start 0.1 s apart and each sends ``--ttft-requests``
   requests of 16 tokens;
+- structured output at 1 and 4 streams: completion tokens/s of json_schema streams (an array
+  of numbers: the grammar forces little; records with declared keys: it forces most of the
+  text), and tool calls per second (a two-parameter tool, ``tool_choice: required``, greedy;
+  each answer one call), the same schema and tool on both servers;
 - TTFT of a second chat turn (with a system prompt of about 250 tokens): turn 1 (64 tokens),
   then turn 2 = turn 1's messages + the assistant's answer + a new user message; both servers
   can reuse turn 1's cached prefix;
@@ -88,6 +92,7 @@ from bench.support.servers import (
     server_command,
     vm_hwm_bytes,
 )
+from bench.support.structured import RECORDS_FORMAT, measure_tool_calls
 from bench.support.workload import (
     CONCURRENCY,
     CTX,
@@ -138,6 +143,14 @@ async def measure_all(session: Session, cfg: Config, watch: common.CpuWatch) -> 
     before = await constraint_counters(session.port) if ours else None
     out["json_throughput"] = [
         await guard(f"json_schema throughput at {c}", partial(measure_throughput, session, c, cfg.waves, JSON_FORMAT))
+        for c in JSON_CONCURRENCY
+    ]
+    out["records_throughput"] = [
+        await guard(f"records throughput at {c}", partial(measure_throughput, session, c, cfg.waves, RECORDS_FORMAT))
+        for c in JSON_CONCURRENCY
+    ]
+    out["tool_calls"] = [
+        await guard(f"tool calls at {c}", partial(measure_tool_calls, session, c, cfg.waves * 2))
         for c in JSON_CONCURRENCY
     ]
     if before is not None:

@@ -47,6 +47,16 @@ def _serving_metrics() -> list[Metric]:
             (f"json_tps_{c}", f"json_schema completion tokens/s, {c} stream{'s' if c > 1 else ''}", "tok/s",
              _reader("json_throughput", i, "tps"), 1, True)
         )  # fmt: skip
+    for i, c in enumerate(JSON_CONCURRENCY):
+        metrics.append(
+            (f"records_tps_{c}", f"records json_schema completion tokens/s, {c} stream{'s' if c > 1 else ''}",
+             "tok/s", _reader("records_throughput", i, "tps"), 1, True)
+        )  # fmt: skip
+    for i, c in enumerate(JSON_CONCURRENCY):
+        metrics.append(
+            (f"tool_calls_{c}", f"tool calls (required) per second, {c} stream{'s' if c > 1 else ''}", "calls/s",
+             _reader("tool_calls", i, "calls_per_s"), 2, True)
+        )  # fmt: skip
     for i, c in enumerate(TTFT_CONCURRENCY):
         for q in ("p50", "p95"):
             metrics.append(
@@ -101,12 +111,11 @@ def serving_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     cost per constrained token, and per side what SIGTERM left (streams, binds, exit codes)."""
     summary = summarise_metrics(runs, _serving_metrics())
     ours_free = {c: summary[f"tps_{c}"]["ours"] for c in JSON_CONCURRENCY}
-    ours_json = {c: summary[f"json_tps_{c}"]["ours"] for c in JSON_CONCURRENCY}
-    summary["json_vs_free"] = {
-        str(c): ours_json[c]["median"] / ours_free[c]["median"]
-        for c in JSON_CONCURRENCY
-        if ours_json[c] and ours_free[c]
-    }
+    for name, key in (("json_vs_free", "json_tps"), ("records_vs_free", "records_tps")):
+        ours = {c: summary[f"{key}_{c}"]["ours"] for c in JSON_CONCURRENCY}
+        summary[name] = {
+            str(c): ours[c]["median"] / ours_free[c]["median"] for c in JSON_CONCURRENCY if ours[c] and ours_free[c]
+        }
     costs = [r["constraint_us_per_token"] for r in runs if r.get("constraint_us_per_token") is not None]
     summary["constraint_us_per_token"] = common.Summary.of(costs).as_dict() if costs else None
     for side in SIDES:
@@ -160,6 +169,12 @@ def serving_markdown(summary: dict[str, Any], runs: int, info: dict[str, Any]) -
         + ", ".join(f"{v:.2f} at {c}" for c, v in summary["json_vs_free"].items())
         + "; our mask cost per constrained token (mean of a run, median of runs): "
         + (f"{summary['constraint_us_per_token']['median']:.0f} us." if summary["constraint_us_per_token"] else "-."),
+        "",
+        "Records streams (an array of at least 40 objects with three declared keys, closed; the grammar forces "
+        "the keys, quotes, colons and braces, which ours fast-forwards): ours constrained / ours free, medians: "
+        + ", ".join(f"{v:.2f} at {c}" for c, v in summary["records_vs_free"].items())
+        + ". Tool calls: a two-parameter tool, `tool_choice: required`, greedy, streamed, "
+        "one call per answer (both servers' own call formats for this model's template).",
         "",
         f"SIGTERM stream endings: llama-server: {endings['llama-server']}; ours: {endings['ours']}. "
         f"Plain bind after exit: llama-server: {binds['llama-server']}; ours: {binds['ours']}.",

@@ -78,6 +78,11 @@ class Session:
         self.banned = banned
         self._n = 0
 
+    @property
+    def number(self) -> int:
+        """How many conversations this session has started."""
+        return self._n
+
     def messages(self, question: str | None = None) -> list[dict[str, str]]:
         """A fresh conversation: a system message that starts with a request number."""
         self._n += 1
