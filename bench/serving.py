@@ -26,6 +26,8 @@ One run of a side starts a fresh server and measures, in this order:
 - TTFT (request sent to the first non-empty content delta, connect included) p50 and p95 at
   1 and 4 concurrent streams: clients start 0.1 s apart and each sends ``--ttft-requests``
   requests of 16 tokens;
+- TTFT p50 and p95 at 4 streams with a busy neighbour: the same, while another process (a
+  spinning Python) keeps one core busy, as a shared machine does;
 - structured output at 1 and 4 streams: completion tokens/s of json_schema streams (an array
   of numbers: the grammar forces little; records with declared keys: it forces most of the
   text), and tool calls per second (a two-parameter tool, ``tool_choice: required``, greedy;
@@ -41,6 +43,12 @@ One run of a side starts a fresh server and measures, in this order:
   well formed (a ``finish_reason`` or an error event, then ``data: [DONE]``, then the end of the
   chunked body) and whether a plain ``bind`` of the port (no ``SO_REUSEADDR``) succeeds at once.
 
+Then a second fresh server of the same side serves the fast model (``bench/random_model.py``'s
+``tiny``: a random-weight llama, 64 wide, 2 layers, the default model's tokenizer, written once
+per benchmark run), on ``--fast-threads`` threads (1): aggregate completion tokens/s at 1, 4
+and 16 streams of ``FAST_MAX_TOKENS`` (256). With a decode step of a few milliseconds, what each
+server does per token around ``llama_decode`` decides these rows.
+
 Sides alternate for ``--runs`` runs each, the first side flipping every run (llama-server,
 ours, ours, llama-server, ...). The
 machine may be shared: before each throughput, TTFT and second-turn measurement the benchmark
@@ -48,7 +56,7 @@ waits until other processes keep at most ``--max-foreign`` cores busy, and repea
 measurement (at most ``--retries`` times) when they were busier than that while it ran; their
 average load is recorded with every measurement and for the whole run.
 
-    python -m bench.serving [--runs 4] [--threads 2] [--waves 2] [--ttft-requests 8]
+    python -m bench.serving [--runs 4] [--threads 2] [--waves 2] [--ttft-requests 8] [--fast-threads 1]
 
 Writes ``bench/results/server.md``, ``server.png`` and ``server.json``. This module is the run
 and its order; the parts are in ``bench/support/``: the load client (``client``), the two
@@ -69,7 +77,7 @@ from typing import Any
 
 import trio
 
-from bench import common
+from bench import common, random_model
 from bench.support.charts import chart
 from bench.support.measures import (
     constraint_counters,
@@ -79,6 +87,7 @@ from bench.support.measures import (
     measure_sigterm,
     measure_throughput,
     measure_ttft,
+    measure_ttft_busy,
 )
 from bench.support.report import serving_markdown, serving_summary
 from bench.support.servers import (
@@ -94,8 +103,13 @@ from bench.support.servers import (
 )
 from bench.support.structured import RECORDS_FORMAT, measure_tool_calls
 from bench.support.workload import (
+    BUSY_TTFT_CONCURRENCY,
     CONCURRENCY,
     CTX,
+    FAST_CONCURRENCY,
+    FAST_MAX_TOKENS,
+    FAST_SHAPE,
+    FAST_THREADS,
     JSON_CONCURRENCY,
     JSON_FORMAT,
     MAX_TOKENS,
@@ -119,10 +133,15 @@ class Config:
     conversations: int
     max_foreign: float = 0.25
     retries: int = 2
+    fast_threads: int = FAST_THREADS
 
     @property
     def shape(self) -> Shape:
         return Shape(PARALLEL, CTX, self.threads)
+
+    @property
+    def fast_shape(self) -> Shape:
+        return Shape(PARALLEL, CTX, self.fast_threads)
 
 
 async def measure_all(session: Session, cfg: Config, watch: common.CpuWatch) -> dict[str, Any]:
@@ -139,6 +158,10 @@ async def measure_all(session: Session, cfg: Config, watch: common.CpuWatch) -> 
     out["ttft"] = [
         await guard(f"TTFT at {c}", partial(measure_ttft, session, c, cfg.ttft_requests)) for c in TTFT_CONCURRENCY
     ]
+    c = BUSY_TTFT_CONCURRENCY
+    out["ttft_busy"] = await guard(
+        f"TTFT at {c} with a busy neighbour", partial(measure_ttft_busy, session, c, cfg.ttft_requests)
+    )
     ours = session.server.side == "ours"
     before = await constraint_counters(session.port) if ours else None
     out["json_throughput"] = [
@@ -165,30 +188,61 @@ async def measure_all(session: Session, cfg: Config, watch: common.CpuWatch) -> 
     return out
 
 
-def run_side(
-    side: str, exe: pathlib.Path, model_path: pathlib.Path, cfg: Config, banned: list[int], logdir: pathlib.Path
-) -> dict[str, Any]:
-    """Launch one server, measure everything, stop it with SIGTERM."""
+@dataclass(frozen=True)
+class Models:
+    """The default model, the fast model (written for this run) and the end-of-generation tokens
+    both have (the same tokenizer), which every request bans."""
+
+    default: pathlib.Path
+    fast: pathlib.Path
+    banned: list[int]
+
+
+async def measure_fast(session: Session, cfg: Config) -> list[dict[str, Any]]:
+    """The fast model's throughput at each of ``FAST_CONCURRENCY``, after a warm-up."""
+    await session.server.wait_ready()
+    await session.chat(TTFT_MAX_TOKENS)  # warm-up
+    return [
+        await guarded(
+            session,
+            f"fast-model throughput at {c}",
+            partial(measure_throughput, session, c, cfg.waves, max_tokens=FAST_MAX_TOKENS),
+            max_foreign=cfg.max_foreign,
+            retries=cfg.retries,
+        )
+        for c in FAST_CONCURRENCY
+    ]
+
+
+def run_side(side: str, exe: pathlib.Path, models: Models, cfg: Config, logdir: pathlib.Path) -> dict[str, Any]:
+    """Launch one server, measure everything, stop it with SIGTERM; then one on the fast model."""
     load = common.load_average()
-    with launch(side, exe, model_path, cfg.shape, logdir) as server:
+    with launch(side, exe, models.default, cfg.shape, logdir) as server:
         watch = common.CpuWatch([server.proc.pid])
-        measured = trio.run(measure_all, Session(server, banned), cfg, watch)
+        measured = trio.run(measure_all, Session(server, models.banned), cfg, watch)
+    with launch(side, exe, models.fast, cfg.fast_shape, logdir) as fast:
+        measured["fast_throughput"] = trio.run(measure_fast, Session(fast, models.banned), cfg)
     return {"side": side, "port": server.port, "load_average": load, **measured}
 
 
 def run_all(
     runs_per_side: int, exe: pathlib.Path, model_path: pathlib.Path, cfg: Config, banned: list[int]
 ) -> list[dict[str, Any]]:
-    """Both sides ``runs_per_side`` times, alternating (ABBA); one line per run as it ends."""
+    """Write the fast model, then run both sides ``runs_per_side`` times, alternating (ABBA);
+    one line per run as it ends."""
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
+        fast = pathlib.Path(tmp) / f"random-{FAST_SHAPE}.gguf"
+        random_model.write_model(model_path, fast, random_model.SHAPES[FAST_SHAPE])
+        models = Models(model_path, fast, banned)
         for i, side in abba(runs_per_side):
-            run = run_side(side, exe, model_path, cfg, banned, pathlib.Path(tmp))
+            run = run_side(side, exe, models, cfg, pathlib.Path(tmp))
             run["order"] = len(runs) + 1
             tps = " ".join(f"{t['tps']:.0f}" for t in run["throughput"])
+            fast_tps = " ".join(f"{t['tps']:.0f}" for t in run["fast_throughput"])
             print(
                 f"run {i + 1}/{runs_per_side} {side:<12} tok/s@{'/'.join(map(str, CONCURRENCY))} {tps}  "
-                f"startup {run['startup_s']:.2f}s  sigterm exit {run['sigterm']['exit_s']}  "
+                f"fast model {fast_tps}  startup {run['startup_s']:.2f}s  sigterm exit {run['sigterm']['exit_s']}  "
                 f"(other load {run['foreign_cores'] or 0.0:.2f} cores)",
                 flush=True,
             )
@@ -208,15 +262,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--waves", type=int, default=2, help="throughput requests per stream (default 2)")
     parser.add_argument("--ttft-requests", type=int, default=8, help="TTFT requests per stream (default 8)")
     parser.add_argument("--conversations", type=int, default=3, help="two-turn chats per run (default 3)")
+    parser.add_argument(
+        "--fast-threads", type=int, default=FAST_THREADS, help=f"fast-model servers' threads (default {FAST_THREADS})"
+    )
     args = parser.parse_args(argv)
-    if min(args.runs, args.threads, args.waves, args.ttft_requests, args.conversations) < 1:
-        parser.error("--runs, --threads, --waves, --ttft-requests and --conversations must be at least 1")
+    if min(args.runs, args.threads, args.waves, args.ttft_requests, args.conversations, args.fast_threads) < 1:
+        parser.error(
+            "--runs, --threads, --waves, --ttft-requests, --conversations and --fast-threads must be at least 1"
+        )
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = Config(args.threads, args.waves, args.ttft_requests, args.conversations, args.max_foreign, args.retries)
+    cfg = Config(
+        args.threads,
+        args.waves,
+        args.ttft_requests,
+        args.conversations,
+        args.max_foreign,
+        args.retries,
+        args.fast_threads,
+    )
     model_path = common.model_path(args.model)
     exe = common.llama_tool(LLAMA_SERVER, build=not args.no_build)
     version = llama_server_version(exe)
@@ -250,6 +317,12 @@ def main(argv: list[str] | None = None) -> None:
             "model": str(model_path),
             "banned_tokens": banned,
             "shape": {"parallel": PARALLEL, "ctx": CTX, "batch": cfg.shape.batch, "max_tokens": MAX_TOKENS},
+            "fast_model": {
+                "shape": FAST_SHAPE,
+                **asdict(random_model.SHAPES[FAST_SHAPE]),
+                "threads": cfg.fast_threads,
+                "max_tokens": FAST_MAX_TOKENS,
+            },
             "commands": {side: server_command(side, exe, model_path, cfg.shape, 0) for side in SIDES},  # port: per run
             "runs": runs,
             "summary": summary,

@@ -268,14 +268,14 @@ import json, sys, threading
 sys.path.insert(0, ".")
 import ffi, llguidance
 from server.engine.grammar import JSON_OPTIONS, build_tokenizer
-from server.engine.grammar_limits import LIMITS
+from server.engine.grammar_limits import parser_limits
 from server.model_files import default_model_path
 model = ffi.Model(str(default_model_path()))
 tokenizer = build_tokenizer(model.vocab, model.vocab.eog_tokens)
 schema = json.loads(sys.stdin.read())
 def run():
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
-    assert not llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS).is_error()
+    assert not llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits()).is_error()
 threading.stack_size(int(sys.argv[1]))
 thread = threading.Thread(target=run)
 thread.start()

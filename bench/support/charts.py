@@ -22,8 +22,8 @@ def chart(summary: dict[str, Any], path: pathlib.Path) -> None:
         ("Throughput (tok/s, higher is better)", [f"tps_{c}" for c in CONCURRENCY], [f"{c} str." for c in CONCURRENCY]),
         (
             "TTFT (ms)",
-            ["ttft_p50_1", "ttft_p95_1", "ttft_p50_4", "ttft_p95_4", "turn1_ttft", "turn2_ttft"],
-            ["p50 @1", "p95 @1", "p50 @4", "p95 @4", "turn 1", "turn 2"],
+            ["ttft_p50_1", "ttft_p95_1", "ttft_p50_4", "ttft_p95_4", "ttft_busy_p50_4", "turn1_ttft", "turn2_ttft"],
+            ["p50 @1", "p95 @1", "p50 @4", "p95 @4", "busy p50 @4", "turn 1", "turn 2"],
         ),
         ("Peak RSS (MiB)", ["rss"], [""]),
         ("After a disconnect (s)", ["disconnect_cpu", "disconnect_idle"], ["CPU", "to idle"]),

@@ -6,11 +6,13 @@ for a quiet machine (``wait_quiet``, ``guarded``) and for an idle server (``wait
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import trio
@@ -63,22 +65,22 @@ def check_streams(results: Sequence[StreamResult], max_tokens: int, what: str) -
 
 
 async def measure_throughput(
-    session: Session, concurrency: int, waves: int, response_format: Any = None
+    session: Session, concurrency: int, waves: int, response_format: Any = None, max_tokens: int = MAX_TOKENS
 ) -> dict[str, Any]:
-    """``concurrency`` clients, each sending ``waves`` requests of ``MAX_TOKENS`` one after
+    """``concurrency`` clients, each sending ``waves`` requests of ``max_tokens`` one after
     another: completion tokens / wall time from the first request to the end of the last."""
     results: list[StreamResult] = []
 
     async def client() -> None:
         for _ in range(waves):
-            results.append(await session.chat(MAX_TOKENS, response_format))
+            results.append(await session.chat(max_tokens, response_format))
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(client)
     wall = time.perf_counter() - start
-    check_streams(results, MAX_TOKENS, f"throughput at {concurrency}")
+    check_streams(results, max_tokens, f"throughput at {concurrency}")
     tokens = sum(r.completion_tokens for r in results)
     return {
         "concurrency": concurrency,
@@ -110,6 +112,26 @@ async def measure_ttft(session: Session, concurrency: int, requests: int) -> dic
         "p50_s": percentile(ttfts, 50),
         "p95_s": percentile(ttfts, 95),
     }
+
+
+async def measure_ttft_busy(session: Session, concurrency: int, requests: int) -> dict[str, Any]:
+    """``measure_ttft`` while another process keeps one core busy (``busy_neighbour``). Its
+    CPU time is this process's waited-for child's, so ``guarded`` does not count it as other
+    load."""
+    with busy_neighbour():
+        return await measure_ttft(session, concurrency, requests)
+
+
+@contextlib.contextmanager
+def busy_neighbour() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that spins on one core for as long as the block runs (killed and reaped at its
+    end): the neighbour a shared machine has, which takes a core from the server's threads."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+    try:
+        yield spinner
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 async def measure_second_turn(session: Session, conversations: int) -> dict[str, Any]:

@@ -12,8 +12,12 @@ from typing import Any
 from bench import common
 from bench.support.servers import BATCH, SIDES
 from bench.support.workload import (
+    BUSY_TTFT_CONCURRENCY,
     CONCURRENCY,
     CTX,
+    FAST_CONCURRENCY,
+    FAST_MAX_TOKENS,
+    FAST_SHAPE,
     JSON_CONCURRENCY,
     MAX_TOKENS,
     PARALLEL,
@@ -30,6 +34,15 @@ def _reader(key: str, i: int, field: str, scale: float = 1) -> Callable[[dict[st
 
     def read(run: dict[str, Any]) -> float:
         return scale * run[key][i][field]
+
+    return read
+
+
+def _field_reader(key: str, field: str, scale: float = 1) -> Callable[[dict[str, Any]], float]:
+    """How a metric reads ``scale * run[key][field]`` out of a run."""
+
+    def read(run: dict[str, Any]) -> float:
+        return scale * run[key][field]
 
     return read
 
@@ -63,6 +76,17 @@ def _serving_metrics() -> list[Metric]:
                 (f"ttft_{q}_{c}", f"TTFT {q}, {c} stream{'s' if c > 1 else ''}", "ms",
                  _reader("ttft", i, f"{q}_s", 1000), 0, False)
             )  # fmt: skip
+    busy = BUSY_TTFT_CONCURRENCY
+    for q in ("p50", "p95"):
+        metrics.append(
+            (f"ttft_busy_{q}_{busy}", f"TTFT {q}, {busy} streams, one core kept busy by another process", "ms",
+             _field_reader("ttft_busy", f"{q}_s", 1000), 0, False)
+        )  # fmt: skip
+    for i, c in enumerate(FAST_CONCURRENCY):
+        metrics.append(
+            (f"fast_tps_{c}", f"fast model: completion tokens/s, {c} stream{'s' if c > 1 else ''}", "tok/s",
+             _reader("fast_throughput", i, "tps"), 1, True)
+        )  # fmt: skip
     metrics += [
         ("turn1_ttft", "TTFT, first chat turn", "ms", lambda r: 1000 * r["second_turn"]["turn1_ttft_s"], 0, False),
         ("turn2_ttft", "TTFT, second turn (shared prefix)", "ms",
@@ -160,7 +184,10 @@ def serving_markdown(summary: dict[str, Any], runs: int, info: dict[str, Any]) -
         f"{PARALLEL} sequences, {CTX} KV cells ({CTX // PARALLEL} per sequence, not unified), "
         f"{info['config']['threads']} threads, batch {BATCH}; streamed chat, temperature 0, "
         f"{MAX_TOKENS} tokens per request for throughput ({info['config']['waves']} requests per stream), "
-        f"{TTFT_MAX_TOKENS} for TTFT. Ratios above 1 are better for tokens/s, below 1 for everything else.",
+        f"{TTFT_MAX_TOKENS} for TTFT. The fast model: a random-weight llama ({FAST_SHAPE} in bench/random_model.py: "
+        f"64 wide, 2 layers, the default model's tokenizer), {info['config']['fast_threads']} thread(s), "
+        f"{FAST_MAX_TOKENS} tokens per request, a fresh server of each side after the other measurements. "
+        "Ratios above 1 are better for tokens/s, below 1 for everything else.",
         "",
         common.markdown_table(header, rows),
         "",

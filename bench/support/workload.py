@@ -17,6 +17,13 @@ PARALLEL = 16  # sequences (slots) on both servers, for every concurrency level
 CTX = 8192  # KV cells in all: 512 per sequence
 CONCURRENCY = (1, 4, 16)
 TTFT_CONCURRENCY = (1, 4)
+BUSY_TTFT_CONCURRENCY = 4  # TTFT with a busy neighbour (one core kept busy by another process)
+# The fast model (bench/random_model.py's "tiny": a decode step of a few ms, so that what each
+# server does per token shows), on FAST_THREADS threads, FAST_MAX_TOKENS per request.
+FAST_SHAPE = "tiny"
+FAST_CONCURRENCY = (1, 4, 16)
+FAST_MAX_TOKENS = 256
+FAST_THREADS = 1
 JSON_CONCURRENCY = (1, 4)
 # Structured-output streams: an answer this schema allows is longer than MAX_TOKENS on both
 # servers (at least 100 numbers), so every stream runs to MAX_TOKENS as the free ones do.

@@ -5,22 +5,26 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 
-class ModelMeta(BaseModel):
+class _Out(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built at first use, not at the start
+
+
+class ModelMeta(_Out):
     """Ours, beside OpenAI's fields: what the loaded file says of itself."""
 
     name: str  # general.name (the file's name without .gguf when it has none)
 
 
-class ModelStatus(BaseModel):
+class ModelStatus(_Out):
     value: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
     progress: float | None = None  # while loading, 0 to 1
     error: str | None = None  # when the last load failed
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Out):
     id: str
     object: Literal["model"] = "model"
     created: int  # when this server process started (a hot restart's new process: later)
@@ -30,6 +34,6 @@ class ModelCard(BaseModel):
     meta: ModelMeta | None = None  # once the model is loaded
 
 
-class ModelList(BaseModel):
+class ModelList(_Out):
     object: Literal["list"] = "list"
     data: list[ModelCard]

