@@ -37,6 +37,8 @@ MAX_TOKENS_CEILING = 4
 # Slowest acceptable answer to any one fuzzed request (a hang guard, not a benchmark).
 REQUEST_TIMEOUT = 60.0
 ERROR_KEYS = {"message", "type", "param", "code"}
+# A context overflow also says its sizes, as llama-server does.
+OVERFLOW_KEYS = {"n_prompt_tokens", "n_ctx"}
 
 # Jinja in message content is data: rendered as these exact characters, never evaluated.
 JINJA = [
@@ -287,7 +289,10 @@ def assert_error_shape(response: httpx.Response) -> None:
     body = response.json()
     assert isinstance(body, dict) and set(body) == {"error"}, body
     error = body["error"]
-    assert set(error) == ERROR_KEYS, error
+    overflow = error.get("code") == "context_length_exceeded"
+    assert set(error) == ERROR_KEYS | (OVERFLOW_KEYS if overflow else set()), str(error)[:500]
+    if overflow:
+        assert 0 < error["n_ctx"] < error["n_prompt_tokens"], str(error)[:500]
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str) and error["type"]
     assert error["param"] is None or isinstance(error["param"], str)

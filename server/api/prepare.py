@@ -286,25 +286,27 @@ async def chat_text(state: ServerState, req: schema.ChatCompletionRequest) -> st
 
 def continues_final(req: schema.ChatCompletionRequest, messages: list[dict[str, Any]], *, constrained: bool) -> bool:
     """Whether the answer continues the conversation's last message (an assistant's: prefill)
-    rather than starting a new one; the combinations that make no sense are 400s."""
+    rather than starting a new one. Asked for (``continue_final_message``) where it cannot be
+    done, it is a 400; otherwise a final assistant message with tool calls, or one under a
+    grammar (tools in use), is closed and a new turn opened, as before prefill existed."""
     last = req.messages[-1]
     wanted = req.continue_final_message
-    if wanted and last.role != "assistant":
-        message = "continue_final_message needs the conversation to end with an assistant message"
-        raise ApiError(400, message, param="continue_final_message", code="invalid_value")
     if wanted and req.add_generation_prompt:
         message = "add_generation_prompt and continue_final_message cannot both be true"
         raise ApiError(400, message, param="add_generation_prompt", code="invalid_value")
+    if wanted and last.role != "assistant":
+        message = "continue_final_message needs the conversation to end with an assistant message"
+        raise ApiError(400, message, param="continue_final_message", code="invalid_value")
     if last.role != "assistant" or wanted is False:
         return False
-    where = f"messages[{len(req.messages) - 1}]"
-    if len(req.messages) >= 2 and req.messages[-2].role == "assistant":
+    if len(req.messages) >= 2 and req.messages[-2].role == "assistant":  # as llama-server
         message = "the conversation ends with two assistant messages; only the last one can be continued"
-        raise ApiError(400, message, param=where, code="invalid_value")
-    if last.tool_calls or constrained or not messages or messages[-1]["role"] != "assistant":
+        raise ApiError(400, message, param=f"messages[{len(req.messages) - 1}]", code="invalid_value")
+    possible = not (last.tool_calls or constrained or not messages or messages[-1]["role"] != "assistant")
+    if wanted and not possible:
         message = "an assistant message with tool calls, or with tools in use, cannot be continued"
-        raise ApiError(400, message, param=where, code="invalid_value")
-    return True
+        raise ApiError(400, message, param=f"messages[{len(req.messages) - 1}]", code="invalid_value")
+    return possible
 
 
 def _completion_prompts(req: schema.CompletionRequest, n_vocab: int) -> list[str | list[int]]:
