@@ -38,6 +38,16 @@ def _reader(key: str, i: int, field: str, scale: float = 1) -> Callable[[dict[st
     return read
 
 
+def _optional_reader(key: str, i: int, field: str) -> Callable[[dict[str, Any]], float | None]:
+    """How a metric reads ``run[key][i][field]``, which may be None (not measured on that side)."""
+
+    def read(run: dict[str, Any]) -> float | None:
+        value = run[key][i][field]
+        return None if value is None else float(value)
+
+    return read
+
+
 def _field_reader(key: str, field: str, scale: float = 1) -> Callable[[dict[str, Any]], float]:
     """How a metric reads ``scale * run[key][field]`` out of a run."""
 
@@ -68,7 +78,7 @@ def _serving_metrics() -> list[Metric]:
     for i, c in enumerate(JSON_CONCURRENCY):
         metrics.append(
             (f"tool_calls_{c}", f"tool calls (required) per second, {c} stream{'s' if c > 1 else ''}", "calls/s",
-             _reader("tool_calls", i, "calls_per_s"), 2, True)
+             _optional_reader("tool_calls", i, "calls_per_s"), 2, True)
         )  # fmt: skip
     for i, c in enumerate(TTFT_CONCURRENCY):
         for q in ("p50", "p95"):
@@ -140,6 +150,11 @@ def serving_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         summary[name] = {
             str(c): ours[c]["median"] / ours_free[c]["median"] for c in JSON_CONCURRENCY if ours[c] and ours_free[c]
         }
+    summary["tool_calls_made"] = {
+        side: f"{sum(t['tool_calls'] for r in runs if r['side'] == side for t in r['tool_calls'])}/"
+        f"{sum(t['requests'] for r in runs if r['side'] == side for t in r['tool_calls'])}"
+        for side in SIDES
+    }
     costs = [r["constraint_us_per_token"] for r in runs if r.get("constraint_us_per_token") is not None]
     summary["constraint_us_per_token"] = common.Summary.of(costs).as_dict() if costs else None
     for side in SIDES:
@@ -200,8 +215,10 @@ def serving_markdown(summary: dict[str, Any], runs: int, info: dict[str, Any]) -
         "Records streams (an array of at least 40 objects with three declared keys, closed; the grammar forces "
         "the keys, quotes, colons and braces, which ours fast-forwards): ours constrained / ours free, medians: "
         + ", ".join(f"{v:.2f} at {c}" for c, v in summary["records_vs_free"].items())
-        + ". Tool calls: a two-parameter tool, `tool_choice: required`, greedy, streamed, "
-        "one call per answer (both servers' own call formats for this model's template).",
+        + ". Tool calls: a two-parameter tool, `tool_choice: required`, greedy, streamed; answers that were "
+        "tool calls: "
+        + "; ".join(f"{side}: {summary['tool_calls_made'][side]}" for side in SIDES)
+        + " (a side with answers in text instead has no calls/s).",
         "",
         f"SIGTERM stream endings: llama-server: {endings['llama-server']}; ours: {endings['ours']}. "
         f"Plain bind after exit: llama-server: {binds['llama-server']}; ours: {binds['ours']}.",
