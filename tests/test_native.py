@@ -251,6 +251,11 @@ def test_refused_and_neutral_fields(server: ServerProcess) -> None:
 def test_context_overflow_in_llama_servers_shape(server: ServerProcess) -> None:
     error = native_error(post(server, "/completion", {"prompt": "hello " * 3000}), 400, "exceed_context_size_error")
     assert error["n_ctx"] == 1024 and error["n_prompt_tokens"] > 1024
+    # The OpenAI routes: OpenAI's code and words, llama-server's type and figures.
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 3000}]})
+    error = chat.json()["error"]
+    assert chat.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == 1024 and error["n_prompt_tokens"] > 1024
 
 
 def test_cancelled_stream_frees_its_sequence(server: ServerProcess) -> None:
@@ -267,6 +272,9 @@ def test_llamacpp_metric_names(server: ServerProcess) -> None:
     answer = post(server, "/completion", {"prompt": PROMPT + " (metrics)", "n_predict": 3, "ignore_eos": True}).json()
     response = httpx.get(server.url + "/metrics")
     assert int(response.headers["Process-Start-Time-Unix"]) > 0
+    # Written as llama-server writes them (some clients compare names case-sensitively).
+    names = {name for name, _ in response.headers.raw}
+    assert {b"Process-Start-Time-Unix", b"Content-Type", b"Content-Length"} <= names, names
     for name, kind in [("prompt_tokens_total", "counter"), ("requests_processing", "gauge")]:
         assert f"# TYPE llamacpp:{name} {kind}\n" in response.text and f"# HELP llamacpp:{name} " in response.text
     after = server.metrics()

@@ -13,6 +13,9 @@ from quart import Response
 
 from server.engine import ContextLengthExceeded, EngineError
 
+# llama-server's error type for a prompt longer than a sequence's context.
+CONTEXT_TYPE = "exceed_context_size_error"
+
 
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
@@ -69,7 +72,7 @@ class ApiError(Exception):
                 continue
             renamed = match.expand(own) + param[match.end() :]
             message = renamed + self.message[len(param) :] if self.message.startswith(param) else self.message
-            error = ApiError(self.status, message, type_=self.type, param=renamed, code=self.code)
+            error = ApiError(self.status, message, type_=self.type, param=renamed, code=self.code, extra=self.extra)
             error.headers = self.headers
             return error
         return self
@@ -90,8 +93,10 @@ class ApiError(Exception):
                 f"This model's maximum context length is {exc.limit} tokens. However, your {what} "
                 f"resulted in {exc.tokens} tokens. Please reduce the length of the {what}."
             )
+            # llama-server's type and figures beside OpenAI's code and words (clients of either
+            # recognise it: OpenAI's SDKs go by the status, llama.cpp's tools by the type).
             extra = {"n_prompt_tokens": exc.tokens, "n_ctx": exc.limit}
-            return cls(400, message, param=param, code=exc.code, extra=extra)
+            return cls(400, message, type_=CONTEXT_TYPE, param=param, code=exc.code, extra=extra)
         if exc.status == 400:
             return cls(400, str(exc), param=param, code=exc.code)
         if exc.status == 503:

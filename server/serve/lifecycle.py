@@ -46,6 +46,7 @@ from hypercorn.utils import wrap_app
 from server.api.app import create_app
 from server.engine import ShuttingDown
 from server.net.connection import ARRIVAL_GRACE, Connection
+from server.net.header_case import CanonicalHeaders
 from server.net.listener import bound_address, bound_port, open_listener
 from server.serve import restart, sdnotify
 from server.settings import Settings
@@ -143,7 +144,9 @@ class Service:
         engine and frees everything; the listener is closed either way.
         """
         context = WorkerContext(None)
-        app = wrap_app(self.app, self.config.wsgi_max_body_size, "asgi")
+        # Header names as llama-server and most servers write them (clients that compare names
+        # case-sensitively exist: llama.cpp's own tests).
+        app = wrap_app(CanonicalHeaders(self.app), self.config.wsgi_max_body_size, "asgi")
         lifespan = Lifespan(app, self.config, {})
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self.sock))
         try:
