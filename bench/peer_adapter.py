@@ -38,6 +38,7 @@ MAPPED = {
     "--threads": "--threads",
     "-t": "--threads",
     "--alias": "--alias",
+    "--tags": "--tags",
     "--api-key": "--api-key",
     "--pooling": "--pooling",
     "--chat-template-file": "--chat-template-file",

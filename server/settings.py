@@ -51,6 +51,7 @@ class Settings:
     cache_type_v: str = "f16"
     rpc: tuple[str, ...] = ()  # host:port of llama.cpp's rpc-server processes
     alias: str | None = None
+    tags: str | None = None
     chat_template_file: str | None = None  # None: the model's own template
     embeddings: bool = False
     pooling: str | None = None  # None: the model's own, or mean
@@ -98,7 +99,7 @@ _HELP = {
     ),
     "models_dir": "serve every *.gguf in this folder (id: the file name without .gguf; split GGUFs once)",
     "models_preset": (
-        "TOML or INI file with a [model-id] section per model: model = PATH, aliases, load_on_start, and "
+        "TOML or INI file with a [model-id] section per model: model = PATH, aliases, tags, load_on_start, and "
         "ctx_size, parallel, batch_size, threads, chat_template_file, embeddings, pooling, max_queue for it"
     ),
     "models_max": "models loaded at once; loading one more unloads the least recently used idle one",
@@ -126,7 +127,11 @@ _HELP = {
     "cache_type_k": "KV cache type for K: " + ", ".join(CACHE_TYPES),
     "cache_type_v": "KV cache type for V (a quantized one needs flash attention): " + ", ".join(CACHE_TYPES),
     "rpc": "llama.cpp rpc-server processes to offload layers to, host:port[,host:port...]",
-    "alias": "model id reported by the API (default: the model file's name)",
+    "alias": (
+        "model id reported by the API (default: the model file's name); a comma-separated list makes them all "
+        "names of the model, the first in alphabetical order its id (as llama-server)"
+    ),
+    "tags": "comma-separated labels listed with the model in /v1/models (as llama-server's --tags)",
     "chat_template_file": "Jinja chat template to use instead of the model's own (e.g. one that knows tools)",
     "embeddings": "serve /v1/embeddings (a second llama.cpp context on the same model)",
     "pooling": "how embeddings pool their tokens: mean, cls or last (default: the model's own, else mean)",
@@ -260,6 +265,7 @@ def _kind(name: str) -> type:
         return tuple
     if name in {
         "alias",
+        "tags",
         "api_key_file",
         "chat_template_file",
         "chat_template",

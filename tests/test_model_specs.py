@@ -108,3 +108,14 @@ def test_idle_expired() -> None:
     loaded = [r("a", used=0), r("b", used=9), r("c", busy=True, used=0)]
     assert idle_expired(loaded, now=10, sleep_after=5) == ["a"]
     assert idle_expired(loaded, now=10, sleep_after=None) == []
+
+
+def test_alias_list_and_tags_as_llama_server() -> None:
+    """``--alias a,b,c``: every one a name of the model, the first in order its id; ``--tags``
+    listed with it."""
+    settings = parse_settings(["--alias", "tinyllama-2, fim,code", "--tags", "chat,fim,small,chat"], env={})
+    [spec] = model_specs(settings)
+    assert spec.id == "code" and set(spec.names) == {"code", "fim", "tinyllama-2"}
+    assert spec.tags == ("chat", "fim", "small")
+    [plain] = model_specs(parse_settings(["--alias", "mine"], env={}))
+    assert plain.id == "mine" and plain.names == ("mine",) and plain.tags == ()

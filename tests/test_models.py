@@ -57,12 +57,13 @@ def rss_kib(proc: ServerProcess) -> int:
 
 def test_each_model_by_id_and_alias_loaded_on_demand(models_dir: pathlib.Path, model_path: pathlib.Path) -> None:
     preset = models_dir / "presets.ini"
-    preset.write_text("[tiny-a]\naliases = first, primo\nctx_size = 512\n")
+    preset.write_text("[tiny-a]\naliases = first, primo\ntags = small, noise\nctx_size = 512\n")
     args = [*BASE, "--models-dir", str(models_dir), "--model", f"smol={model_path}", "--models-preset", str(preset)]
     with serving(args) as proc:
         assert statuses(proc) == {"smol": "unloaded", "tiny-a": "unloaded", "tiny-b": "unloaded"}
         cards = {c["id"]: c for c in httpx.get(proc.url + "/v1/models").json()["data"]}
         assert cards["tiny-a"]["aliases"] == ["first", "primo"]
+        assert cards["tiny-a"]["tags"] == ["small", "noise"] and "tags" not in cards["tiny-b"]
         seen: set[str] = set()
         polling = threading.Event()
 

@@ -30,6 +30,7 @@ class ModelCard(_Out):
     created: int  # when this server process started (a hot restart's new process: later)
     owned_by: str = "llama-trio"
     aliases: list[str] | None = None  # other names a request's ``model`` may use
+    tags: list[str] | None = None  # the operator's labels (--tags, a preset's tags)
     status: ModelStatus
     meta: ModelMeta | None = None  # once the model is loaded
 

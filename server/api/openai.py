@@ -39,7 +39,14 @@ async def models() -> Response:
                 meta = model_list.ModelMeta(name=runtime.info.name)
         aliases = list(spec.aliases) or None
         cards.append(
-            model_list.ModelCard(id=spec.id, created=registry.created, aliases=aliases, status=status, meta=meta)
+            model_list.ModelCard(
+                id=spec.id,
+                created=registry.created,
+                aliases=aliases,
+                tags=list(spec.tags) or None,
+                status=status,
+                meta=meta,
+            )
         )
     return json_response(model_list.ModelList(data=cards).model_dump(exclude_none=True))
 

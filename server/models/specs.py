@@ -39,7 +39,7 @@ PER_MODEL_SETTINGS = frozenset(
     }
 )
 # Keys of a preset that are not settings.
-_SPEC_KEYS = frozenset({"model", "path", "aliases", "load_on_start"})
+_SPEC_KEYS = frozenset({"model", "path", "aliases", "load_on_start", "tags"})
 
 
 class ModelSpecError(ValueError):
@@ -54,6 +54,7 @@ class ModelSpec:
     settings: Settings  # the server's, with this model's presets applied
     aliases: tuple[str, ...] = ()
     load_on_start: bool = False
+    tags: tuple[str, ...] = ()  # free labels, listed in /v1/models (llama-server's --tags)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -80,7 +81,11 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
     """The models ``settings`` name, in order (the first answers requests that name none)."""
     if not is_multi_model(settings):
         path = settings.model[0] if settings.model else str(default_model_path())
-        return [ModelSpec(settings.alias or os.path.basename(path), path, settings, load_on_start=True)]
+        listed = _names(settings.alias)
+        tags = _names(settings.tags)
+        if len(listed) > 1:  # llama-server's list: the id is the first in order, every one an alias
+            return [ModelSpec(listed[0], path, settings, listed, load_on_start=True, tags=tags)]
+        return [ModelSpec(settings.alias or os.path.basename(path), path, settings, load_on_start=True, tags=tags)]
     paths: dict[str, str] = {}
     for entry in settings.model:
         id_, sep, path = entry.partition("=")
@@ -164,13 +169,22 @@ def _spec(id_: str, path: str | None, preset: dict[str, Any], settings: Settings
     if not isinstance(path, str) or not path:
         raise ModelSpecError(f"{where}: no file for this model (set model = PATH)")
     overrides = {key: _typed(where, key, preset[key]) for key in PER_MODEL_SETTINGS & set(preset)}
-    aliases = preset.get("aliases", ())
-    if isinstance(aliases, str):
-        aliases = tuple(a.strip() for a in aliases.split(",") if a.strip())
-    if not all(isinstance(a, str) and a for a in aliases):
-        raise ModelSpecError(f"{where}: aliases must be names")
+    found = {}
+    for key in ("aliases", "tags"):
+        value = preset.get(key, ())
+        if isinstance(value, str):
+            value = tuple(a.strip() for a in value.split(",") if a.strip())
+        if not all(isinstance(a, str) and a for a in value):
+            raise ModelSpecError(f"{where}: {key} must be names")
+        found[key] = tuple(value)
     load = _typed(where, "load_on_start", preset.get("load_on_start", False))
-    return ModelSpec(id_, path, dataclasses.replace(settings, **overrides), tuple(aliases), bool(load))
+    settings = dataclasses.replace(settings, **overrides)
+    return ModelSpec(id_, path, settings, found["aliases"], bool(load), tags=found["tags"])
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    """A comma-separated list of names, in order, without blanks or repeats."""
+    return tuple(sorted({name.strip() for name in (value or "").split(",") if name.strip()}))
 
 
 def _typed(where: str, key: str, value: Any) -> Any:
