@@ -67,6 +67,7 @@ servers and their processes (``servers``), the requests (``workload``), the meas
 from __future__ import annotations
 
 import argparse
+import compileall
 import pathlib
 import tempfile
 import time
@@ -286,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     model_path = common.model_path(args.model)
     exe = common.llama_tool(LLAMA_SERVER, build=not args.no_build)
+    # Our modules' bytecode written ahead, as `make` does (where PYTHONDONTWRITEBYTECODE is set,
+    # stale bytecode would otherwise be compiled again at each of our starts).
+    for package in ("ffi", "server"):
+        compileall.compile_dir(str(common.REPO_ROOT / package), quiet=1)
     version = llama_server_version(exe)
     banned = end_of_generation_tokens(model_path)
     machine = common.machine_info()
