@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bench.random_model import SHAPES, write_model
-from tests.support.process import ServerProcess, serving
+from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.server
@@ -532,3 +532,16 @@ def test_native_routes_name_their_model(tmp_path: pathlib.Path, model_path: path
         slots = httpx.get(server.url + "/slots", params={"model": "tiny"}, timeout=60).json()
         assert [slot["id"] for slot in slots] == [0, 1]
         assert server.metrics()["llama_trio_active_sequences"] == 0
+
+
+def test_openai_answers_carry_llama_servers_timings(server: ServerProcess) -> None:
+    """Whole OpenAI answers also carry llama-server's ``timings`` (its tools and web UI read
+    them), consistent with their ``usage``."""
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 5, "temperature": 0}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": PROMPT, "max_tokens": 5})):
+        answer = post(server, path, {**body, "logit_bias": NO_END_TOKENS}).json()
+        timings, usage = answer["timings"], answer["usage"]
+        assert set(timings) == TIMING_KEYS
+        assert timings["predicted_n"] == usage["completion_tokens"] == 5
+        assert timings["prompt_n"] + timings["cache_n"] == usage["prompt_tokens"]
+        assert timings["prompt_ms"] > 0 and timings["predicted_ms"] >= 0

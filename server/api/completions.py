@@ -9,7 +9,7 @@ from typing import Any
 
 from quart import Response, request
 
-from server.api import logprobs, schema, sse
+from server.api import logprobs, native_render, schema, sse
 from server.api.collect import Collected, collect
 from server.api.errors import ApiError
 from server.api.openai_stream import OpenAIStream
@@ -41,11 +41,18 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
         framer = sse.ChunkFramer(chat=chat, id_=id_, created=created, model=model.id, fingerprint=model.fingerprint)
         return streamed_response(prepared, OpenAIStream(prepared, framer), trace, state.settings.ping_interval)
     choices = await collect(prepared, trace)
-    usage = schema.UsageInfo.model_validate(usage_payload(merged_usage([c.usage for c in choices if c.usage])))
+    merged = merged_usage([c.usage for c in choices if c.usage])
+    usage = schema.UsageInfo.model_validate(usage_payload(merged))
     head: dict[str, Any] = {"id": id_, "created": created, "model": model.id, "system_fingerprint": model.fingerprint}
+    # llama-server's ``timings`` beside OpenAI's fields (its tools and web UI read them).
+    timing = native_render.Timing(
+        None if trace.first is None else trace.first - trace.start,
+        None if trace.last is None else trace.last - trace.start,
+    )
+    timings = native_render.timings(merged, timing, usage.completion_tokens)
     vocab = prepared.engine.vocab
     if chat:
-        return json_response(_chat_completion(head, choices, usage, prepared, vocab))
+        return json_response({**_chat_completion(head, choices, usage, prepared, vocab), "timings": timings})
     completion_choices = [
         schema.CompletionChoice(
             index=index,
@@ -55,7 +62,8 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
         )
         for index, choice in enumerate(choices)
     ]
-    return json_response(schema.Completion(**head, choices=completion_choices, usage=usage).model_dump())
+    completion = schema.Completion(**head, choices=completion_choices, usage=usage).model_dump()
+    return json_response({**completion, "timings": timings})
 
 
 def _chat_completion(
