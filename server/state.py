@@ -9,6 +9,7 @@ at start serve (or one failed: ``load_failed``).
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
 import trio
 
@@ -66,14 +67,7 @@ class ServerState:
 
     def embedder_stats(self) -> EmbedderStats | None:
         """The embedders' statistics together (the loaded models'); None when none runs."""
-        found = [e.stats for e in self.embedders()]
-        if not found:
-            return None
-        total = EmbedderStats()
-        for stats in found:
-            for field in dataclasses.fields(EmbedderStats):
-                setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
-        return total
+        return _summed(EmbedderStats, [e.stats for e in self.embedders()])
 
     def engine_stats(self) -> EngineStats | None:
         """Every model's engine statistics together (counters include unloaded engines'); None
@@ -115,14 +109,7 @@ class ServerState:
 
     def compile_stats(self) -> CompileStats | None:
         """Every model's grammar compiler's statistics together; None before any compiled."""
-        found = [r.compile_stats for r in self.models.runtimes() if r.compile_stats is not None]
-        if not found:
-            return None
-        total = CompileStats()
-        for stats in found:
-            for field in dataclasses.fields(CompileStats):
-                setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
-        return total
+        return _summed(CompileStats, [r.compile_stats for r in self.models.runtimes() if r.compile_stats is not None])
 
     def stop_compiles(self) -> None:
         """A shutdown's drain: every model's waiting grammar compiles end with a 503."""
@@ -141,3 +128,17 @@ class ServerState:
         abandoned); running engines are stopped as by ``open_engine``.
         """
         await self.models.run(task_status=task_status)
+
+
+S = TypeVar("S", EmbedderStats, CompileStats)
+
+
+def _summed(kind: type[S], found: list[S]) -> S | None:
+    """Statistics of several models added up field by field; None when there are none."""
+    if not found:
+        return None
+    total = kind()
+    for stats in found:
+        for field in dataclasses.fields(kind):
+            setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+    return total

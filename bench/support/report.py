@@ -65,21 +65,16 @@ def _serving_metrics() -> list[Metric]:
             (f"tps_{c}", f"completion tokens/s, {c} stream{'s' if c > 1 else ''}", "tok/s",
              _reader("throughput", i, "tps"), 1, True)
         )  # fmt: skip
-    for i, c in enumerate(JSON_CONCURRENCY):
-        metrics.append(
-            (f"json_tps_{c}", f"json_schema completion tokens/s, {c} stream{'s' if c > 1 else ''}", "tok/s",
-             _reader("json_throughput", i, "tps"), 1, True)
-        )  # fmt: skip
-    for i, c in enumerate(JSON_CONCURRENCY):
-        metrics.append(
-            (f"records_tps_{c}", f"records json_schema completion tokens/s, {c} stream{'s' if c > 1 else ''}",
-             "tok/s", _reader("records_throughput", i, "tps"), 1, True)
-        )  # fmt: skip
-    for i, c in enumerate(JSON_CONCURRENCY):
-        metrics.append(
-            (f"tool_calls_{c}", f"tool calls (required) per second, {c} stream{'s' if c > 1 else ''}", "calls/s",
-             _optional_reader("tool_calls", i, "calls_per_s"), 2, True)
-        )  # fmt: skip
+    structured: list[tuple[str, str, str, str, int]] = [  # key, what, result, field, digits
+        ("json_tps", "json_schema completion tokens/s", "json_throughput", "tps", 1),
+        ("records_tps", "records json_schema completion tokens/s", "records_throughput", "tps", 1),
+        ("tool_calls", "tool calls (required) per second", "tool_calls", "calls_per_s", 2),
+    ]
+    for key, what, result, field, digits in structured:
+        unit = "calls/s" if field == "calls_per_s" else "tok/s"
+        for i, c in enumerate(JSON_CONCURRENCY):
+            label = f"{what}, {c} stream{'s' if c > 1 else ''}"
+            metrics.append((f"{key}_{c}", label, unit, _optional_reader(result, i, field), digits, True))
     for i, c in enumerate(TTFT_CONCURRENCY):
         for q in ("p50", "p95"):
             metrics.append(

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
-
-class _Out(BaseModel):
-    model_config = ConfigDict(defer_build=True)  # built at first use, not at the start
+from server.api.schema import Out as _Out
 
 
 class ModelMeta(_Out):
