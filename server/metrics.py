@@ -70,6 +70,11 @@ class _EngineCollector(Collector):
             "llama_trio_decode_seconds", "seconds spent inside llama_decode", value=stats.decode_seconds
         )
         yield CounterMetricFamily(
+            "llama_trio_chained_steps",
+            "decode steps the decode thread went on to without waiting for the engine task",
+            value=stats.chained_steps,
+        )
+        yield CounterMetricFamily(
             "llama_trio_constrained_tokens", "tokens sampled under a grammar", value=stats.constrained_tokens
         )
         yield CounterMetricFamily(

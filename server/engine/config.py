@@ -25,6 +25,9 @@ class EngineConfig:
     # Tokens a grammar forces go into the next decode together (one step for the run), up to
     # n_batch // n_parallel per sequence; off: one step per token, each sampled under its mask.
     fast_forward: bool = True
+    # The decode thread runs on to the next step by itself when the engine task would plan just
+    # that (``chain``); off: the engine task plans every step (for comparisons).
+    chain_steps: bool = True
 
 
 # While the engine is busy, the KV cell counts in ``EngineStats`` are refreshed every this many
@@ -50,6 +53,7 @@ class EngineStats:
     constrained_tokens: int = 0  # sampled under a grammar
     forced_tokens: int = 0  # forced by a grammar: appended without sampling (fast-forward)
     constraint_seconds: float = 0.0  # their masks and grammar steps, in the decode thread
+    chained_steps: int = 0  # steps the decode thread ran on to by itself (``chain``)
     last_step_seconds: float = 0.0
     requests_finished: int = 0
     # The host-memory prompt cache (``prompt_cache.HostCache``)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import socket
@@ -10,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+
+_DONE, _POSTED = b"\0", b"\1"  # what the thread writes to the socket: a call's end, an item posted
 
 
 class DecodeThread:
@@ -28,6 +31,10 @@ class DecodeThread:
     ``Cancelled``; a caller cancelled before it starts never hands the call over. One call at
     a time. ``close()`` ends the thread once its current call returns;
     idempotent.
+
+    ``run_posting`` is ``run`` for a call that reports as it goes: ``fn`` gets a ``post(item)``
+    to call in the thread, and the caller gets each item as soon as its task wakes, while the
+    call runs on (the engine's chained steps, ``chain.run_chain``).
     """
 
     def __init__(self, name: str = "llama-trio-decode") -> None:
@@ -36,6 +43,7 @@ class DecodeThread:
         self._done_recv.setblocking(False)
         self._result: tuple[bool, Any] | None = None
         self._busy = False
+        self._posts: collections.deque[Any] = collections.deque()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -46,7 +54,12 @@ class DecodeThread:
                 self._result = (True, fn(*args))
             except BaseException as exc:  # handed to the caller, raised there
                 self._result = (False, exc)
-            self._done_send.send(b"\0")
+            self._done_send.send(_DONE)
+
+    def _post(self, item: Any) -> None:
+        """In the thread: hand ``item`` to the caller of ``run_posting`` now."""
+        self._posts.append(item)
+        self._done_send.send(_POSTED)
 
     async def run(self, fn: Callable[..., Any], *args: Any, meanwhile: Callable[[], None] | None = None) -> Any:
         """``fn(*args)`` in the thread; ``meanwhile()``, when given, runs here (synchronously)
@@ -75,6 +88,63 @@ class DecodeThread:
         if not ok:
             raise value
         return value
+
+    async def run_posting(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        take: Callable[[list[Any], bool], None],
+        stop: Callable[[], None],
+        meanwhile: Callable[[], None] | None = None,
+    ) -> Any:
+        """``fn(*args, post)`` in the thread; each item it posts reaches ``take(items, done)``
+        here, in order, a batch per wake-up (``done``: the call has returned, nothing more
+        comes), then ``fn``'s result is returned as by ``run``.
+
+        *Cancellation*: as ``run``'s, and ``stop()`` is called first, to ask ``fn`` to return
+        soon; items posted meanwhile still reach ``take``.
+        """
+        if self._busy:
+            raise RuntimeError("DecodeThread.run is not reentrant")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._busy = True
+        self._calls.put((fn, (*args, self._post)))
+        try:
+            if meanwhile is not None:
+                meanwhile()
+            try:
+                while not await self._take_posts(take):
+                    pass
+            except BaseException:  # cancelled: the call goes on; wait for it, then re-raise
+                stop()
+                with trio.CancelScope(shield=True):
+                    while not await self._take_posts(take):
+                        pass
+                raise
+        finally:
+            self._busy = False
+        assert self._result is not None
+        (ok, value), self._result = self._result, None
+        if not ok:
+            raise value
+        return value
+
+    async def _take_posts(self, take: Callable[[list[Any], bool], None]) -> bool:
+        """Wait for the thread's next signal; hand what it posted to ``take``. True: its call returned."""
+        await trio.lowlevel.wait_readable(self._done_recv)
+        signals = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := self._done_recv.recv(4096):
+                signals += chunk
+                if len(chunk) < 4096:
+                    break
+        done = _DONE in signals  # every post before the call's end is in the deque by now
+        posts = []
+        while self._posts:
+            posts.append(self._posts.popleft())
+        if posts or done:
+            take(posts, done)
+        return done
 
     def close(self) -> None:
         if self._thread.is_alive():

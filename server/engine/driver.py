@@ -10,11 +10,13 @@ Public API::
 Each turn of the loop (``Engine.run``): drop released jobs (``_reap``), give queued jobs free
 sequences (``_admit``, keeping the cells of the longest cached prompt prefix), plan one batch
 (``_plan``: each generating sequence's run plus prompt chunks, see
-``scheduler.plan_step``), and run fill + ``llama_decode`` + sampling in the decode thread
-(``step.run_step``). Meanwhile the previous step's pieces go out (``Outbox.hand_out``: the
-reader's sink when armed, ``Pieces.deliver_directly``, else the job's bounded channel). Then
-``_conclude`` judges each sequence's new tokens (the one sampled and those a grammar forced,
-``scheduler.judge_run``) and queues the pieces. A job whose channel is full sits out the batch
+``scheduler.plan_step``), and hand it to the decode thread (``chain.run_chain``): fill +
+``llama_decode`` + sampling (``step.run_step``), then judging each sequence's new tokens (the
+one sampled and those a grammar forced, ``scheduler.judge_run``). Meanwhile the previous step's
+pieces go out (``Outbox.hand_out``: the reader's sink when armed, ``Pieces.deliver_directly``,
+else the job's bounded channel). ``_conclude`` queues each judged step's pieces. When a step
+leaves nothing to decide, the thread goes on to the next one by itself while the engine task
+hands the last one's pieces out (``chain``). A job whose channel is full sits out the batch
 (paused) until its reader catches up. Leaving ``submit``'s block for any reason releases the
 job: the engine drops it and frees its cells.
 """
@@ -24,15 +26,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import trio
 
 import ffi
-from server.engine import scheduler, slot_ops
+from server.engine import chain, scheduler, slot_ops
 from server.engine.choice import Choice, Pieces, Slot
-from server.engine.config import KV_STATS_EVERY, EngineConfig, EngineStats
+from server.engine.config import EngineConfig, EngineStats
 from server.engine.decode_thread import DecodeThread
 from server.engine.jobs import (
     ContextLengthExceeded,
@@ -47,7 +48,6 @@ from server.engine.jobs import (
 )
 from server.engine.outbox import Outbox
 from server.engine.prompt_cache import Placer
-from server.engine.step import Sampled, run_step
 
 logger = logging.getLogger("llama_trio.engine")
 
@@ -92,6 +92,7 @@ class Engine:
         self.stats = EngineStats()
         self._closed = False
         self._outbox = Outbox()
+        self._chain = chain.Chain(config.chain_steps)
         self._mask = ffi.TokenMask(self.vocab.n_tokens)  # scratch for constrained sampling
         self._placer = Placer(self.context, self.stats, config.cache_bytes)
         # Tokens a grammar may force into one sequence's run: every sequence's run fits a step.
@@ -148,6 +149,7 @@ class Engine:
         return None
 
     def _wake(self) -> None:
+        self._chain.attention = True
         self._wakeup.set()
 
     # -- shutdown hooks for the lifecycle ------------------------------------------------------
@@ -191,6 +193,7 @@ class Engine:
         task_status.started()
         try:
             while True:
+                self._chain.attention = False  # what asked for it so far is dealt with below
                 self._reap()
                 if self.slot_ops.pending:
                     await self.slot_ops.run_pending(meanwhile=self._outbox.hand_out)
@@ -206,29 +209,19 @@ class Engine:
                     await self._wakeup.wait()
                     self._wakeup = trio.Event()
                     continue
-                started = time.perf_counter()
-                try:
-                    # What the last step produced goes out while this one decodes.
-                    result = await self._thread.run(
-                        run_step,
-                        *(self.context, self._batch, self._slots, plan, self._mask, self._max_forced, self.n_ctx_seq),
-                        meanwhile=self._outbox.hand_out,
-                    )
-                except ffi.DecodeError as exc:
-                    self._fail_step(plan, exc)
-                    continue
-                self.stats.decode_steps += 1
-                self.stats.busy_slot_steps += len({entry.slot for entry in plan})
-                self.stats.decode_seconds += result.decode_seconds
-                if result.constrained:
-                    self.stats.constrained_tokens += result.constrained
-                    self.stats.forced_tokens += result.forced
-                    self.stats.constraint_seconds += result.constraint_seconds
-                self.stats.last_step_seconds = time.perf_counter() - started
-                self._conclude(result.sampled)
-                # KV counts take two C calls per sequence: every few steps while busy, and
-                # always when the engine goes idle (above).
-                self._update_stats(kv=self.stats.decode_steps % KV_STATS_EVERY == 0)
+                # What the last step produced goes out while this one decodes; then the steps
+                # the thread chains after it (``chain``), each handed out as it comes.
+                self._chain.taken = self._chain.posted = 0
+                failed = await self._thread.run_posting(
+                    chain.run_chain,
+                    *(self.context, self._batch, self._slots, plan, self._mask, self._max_forced, self.n_ctx_seq),
+                    *(self._eog, self.config.channel_size, self._chain),
+                    take=self._take_steps,
+                    stop=self._chain.stop,
+                    meanwhile=self._outbox.hand_out,
+                )
+                if failed is not None:
+                    self._fail_step(failed.plan, failed.error)
         finally:
             # No checkpoints here: this runs to completion even while cancelled.
             self._outbox.hand_out()
@@ -319,11 +312,35 @@ class Engine:
         self.stats.paused = paused
         return scheduler.plan_step(decoding, prefilling, self.n_batch)
 
-    def _conclude(self, sampled: list[Sampled]) -> None:
-        """After a step: decide what each sequence's new tokens do (``scheduler.judge_run``),
-        queue the pieces that result, and free the sequences of jobs that finished."""
+    def _take_steps(self, steps: list[chain.StepDone], done: bool) -> None:
+        """The decode thread's steps, as they come: count them, then queue their pieces
+        (``_conclude``); hand them out at once while the thread goes on to the next step."""
+        stats = self.stats
+        for step in steps:
+            result = step.result
+            stats.decode_steps += 1
+            stats.busy_slot_steps += len({entry.slot for entry in step.plan})
+            stats.decode_seconds += result.decode_seconds
+            if result.constrained:
+                stats.constrained_tokens += result.constrained
+                stats.forced_tokens += result.forced
+                stats.constraint_seconds += result.constraint_seconds
+            stats.last_step_seconds = step.seconds
+            self._conclude(step.judged)
+            if step.kv is not None:
+                stats.kv_cells_used, stats.kv_cells_cached = step.kv
+        stats.chained_steps += max(len(steps) - (self._chain.taken == 0), 0)
+        self._chain.taken += len(steps)
+        self._update_stats(kv=False)
+        if not done:
+            self._outbox.hand_out()
+
+    def _conclude(self, judged: list[chain.Judged]) -> None:
+        """After a step the thread judged (``chain.judge``): queue the pieces that result, and
+        free the sequences of jobs that finished."""
         eog = self._eog
-        for out in sampled:
+        for j in judged:
+            out, verdict = j.out, j.verdict
             choice = out.slot.choice
             if choice is None:
                 continue
@@ -336,20 +353,7 @@ class Engine:
             if choice.failure is not None:
                 choice.end_with(choice.failure)
                 continue
-            detok = choice.detok
-            assert detok is not None
-            verdict = scheduler.judge_run(
-                choice.stops,
-                out.tokens,
-                detok.feed,
-                eog=eog,
-                n_generated=choice.n_generated,
-                max_tokens=choice.job.max_tokens,
-                n_past=out.position,
-                n_ctx_seq=self.n_ctx_seq,
-                grammar_done=out.grammar_done,
-            )
-            choice.n_generated += verdict.taken
+            assert verdict is not None
             self.stats.generated_tokens += verdict.taken
             tokens = out.tokens[: verdict.taken]
             if tokens and tokens[-1] in eog:  # an end token ends the answer and is not part of it
@@ -357,16 +361,13 @@ class Engine:
             piece_tokens, logprobs = tuple(tokens), tuple(out.logprobs[: len(tokens)])
             if verdict.finish is None:
                 assert choice.pending, "a job goes on only with a run to decode"
-                if verdict.text or logprobs:
-                    self._outbox.queue(choice, Piece(verdict.text, piece_tokens, logprobs=logprobs, index=choice.index))
+                if j.text or logprobs:
+                    self._outbox.queue(choice, Piece(j.text, piece_tokens, logprobs=logprobs, index=choice.index))
                 continue
-            text = verdict.text
-            if verdict.release_held:
-                text += scheduler.release_held(choice.stops, detok.flush())
             # A copy's prompt was its source's: a job's usage is the sum over its choices.
             prompt_tokens = len(choice.prompt) if choice.source is choice else 0
             usage = Usage(prompt_tokens, choice.n_generated, choice.cached_tokens, choice.restored_tokens)
-            piece = Piece(text, piece_tokens, verdict.finish, usage, logprobs, choice.index, choice.stops.matched)
+            piece = Piece(j.text, piece_tokens, verdict.finish, usage, logprobs, choice.index, choice.stops.matched)
             self._outbox.queue(choice, piece, last=True)
             choice.phase = None
             self.stats.requests_finished += 1
