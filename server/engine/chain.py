@@ -5,9 +5,10 @@ At one step per token, the engine task would otherwise sit between every two ste
 wakes it, it judges the tokens and plans the next step, and wakes the thread again. On a model
 whose step is short (a small model, a GPU) those two wake-ups are a tenth of a token's time.
 So the thread judges each step's tokens itself (``judge``: the detokenizer, stop strings,
-``max_tokens``, the end of the context; it owns those while it runs) and posts the step's
-outcome (``StepDone``) to the engine task, which queues and hands out the pieces while the
-thread decodes the next step. The thread chains a next step only when the engine task would
+``max_tokens``, the end of the context; it owns those while it runs). A step it goes on from
+it posts (``StepDone``) to the engine task, which queues and hands out the pieces while the
+thread decodes the next step; the step it stops after comes back as the call's result (one
+wake-up of the engine task, as without chaining). The thread chains a next step only when the engine task would
 have planned exactly it (``next_plan``):
 
 - the step was all decoding (no prompt chunk: a job that starts needs the engine task);
@@ -145,9 +146,11 @@ def run_chain(
     channel_size: int,
     chain: Chain,
     post: Callable[[StepDone], None],
-) -> ChainFailed | None:
-    """Blocking: the decode thread's part. Run ``plan``'s step, judge and post it; then, while
-    ``next_plan`` allows and ``chain`` has seen no call for attention, the next ones."""
+) -> StepDone | ChainFailed:
+    """Blocking: the decode thread's part. Run ``plan``'s step and judge it; while
+    ``next_plan`` allows and ``chain`` has seen no call for attention, post it and run the next
+    one. Returns the last step (its outcome goes back with the call's end: one wake-up of the
+    engine task, not two), or the step llama.cpp could not decode."""
     while True:
         started = time.perf_counter()
         try:
@@ -157,11 +160,13 @@ def run_chain(
         judged = judge(result.sampled, eog, n_ctx_seq)
         chain.steps += 1
         kv = slot_ops.cell_counts(context, list(slots)) if chain.steps % KV_STATS_EVERY == 0 else None
-        post(StepDone(result, judged, plan, time.perf_counter() - started, kv))
-        chain.posted += 1
-        if not chain.enabled or chain.attention or chain.posted - chain.taken > 1:
-            return None
+        done = StepDone(result, judged, plan, time.perf_counter() - started, kv)
+        # The engine task has taken every step posted before: the thread runs one step ahead at most.
+        if not chain.enabled or chain.attention or chain.posted > chain.taken:
+            return done
         following = next_plan(plan, judged, slots, channel_size=channel_size, budget=batch.capacity)
         if following is None:
-            return None
+            return done
+        post(done)
+        chain.posted += 1
         plan = following

@@ -212,16 +212,18 @@ class Engine:
                 # What the last step produced goes out while this one decodes; then the steps
                 # the thread chains after it (``chain``), each handed out as it comes.
                 self._chain.taken = self._chain.posted = 0
-                failed = await self._thread.run_posting(
+                last = await self._thread.run_posting(
                     chain.run_chain,
                     *(self.context, self._batch, self._slots, plan, self._mask, self._max_forced, self.n_ctx_seq),
                     *(self._eog, self.config.channel_size, self._chain),
-                    take=self._take_steps,
+                    take=self._take_posted,
                     stop=self._chain.stop,
                     meanwhile=self._outbox.hand_out,
                 )
-                if failed is not None:
-                    self._fail_step(failed.plan, failed.error)
+                if isinstance(last, chain.ChainFailed):
+                    self._fail_step(last.plan, last.error)
+                else:
+                    self._take_steps([last])
         finally:
             # No checkpoints here: this runs to completion even while cancelled.
             self._outbox.hand_out()
@@ -312,9 +314,17 @@ class Engine:
         self.stats.paused = paused
         return scheduler.plan_step(decoding, prefilling, self.n_batch)
 
-    def _take_steps(self, steps: list[chain.StepDone], done: bool) -> None:
-        """The decode thread's steps, as they come: count them, then queue their pieces
-        (``_conclude``); hand them out at once while the thread goes on to the next step."""
+    def _take_posted(self, steps: list[chain.StepDone], done: bool) -> None:
+        """Steps the decode thread posted as it went on to the next (chained steps): queue their
+        pieces and, while the thread still runs, hand them out at once."""
+        self._take_steps(steps)
+        self._chain.taken += len(steps)
+        self.stats.chained_steps += len(steps)
+        if not done:
+            self._outbox.hand_out()
+
+    def _take_steps(self, steps: list[chain.StepDone]) -> None:
+        """Count the decode thread's steps, then queue their pieces (``_conclude``)."""
         stats = self.stats
         for step in steps:
             result = step.result
@@ -329,11 +339,7 @@ class Engine:
             self._conclude(step.judged)
             if step.kv is not None:
                 stats.kv_cells_used, stats.kv_cells_cached = step.kv
-        stats.chained_steps += max(len(steps) - (self._chain.taken == 0), 0)
-        self._chain.taken += len(steps)
         self._update_stats(kv=False)
-        if not done:
-            self._outbox.hand_out()
 
     def _conclude(self, judged: list[chain.Judged]) -> None:
         """After a step the thread judged (``chain.judge``): queue the pieces that result, and
