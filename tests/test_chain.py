@@ -9,7 +9,7 @@ import dataclasses
 import trio
 
 import ffi
-from server.engine import EngineConfig, open_engine
+from server.engine import EngineConfig, Pieces, open_engine
 from tests.test_engine import CONFIG, PROMPTS, Result, collect, job, settle
 
 
@@ -48,14 +48,20 @@ async def test_chained_steps_change_no_answer(model: ffi.Model) -> None:
     assert [r.completion_tokens for r in with_chain] == [r.completion_tokens for r in without]
 
 
+async def read(pieces: Pieces, n: int) -> int:
+    """Take ``n`` pieces of a running job (fewer if it ends first); how many were taken."""
+    received = 0
+    async for _ in pieces:
+        received += 1
+        if received == n:
+            break
+    return received
+
+
 async def test_release_stops_the_chain_before_the_next_step(model: ffi.Model) -> None:
     async with open_engine(model, CONFIG) as engine:
         async with engine.submit(job(model, PROMPTS[1], 500)) as pieces:
-            received = 0
-            async for _ in pieces:
-                received += 1
-                if received == 20:
-                    break
+            received = await read(pieces, 20)
             steps_at_release = engine.stats.decode_steps
         await settle(engine)
         assert engine.stats.chained_steps > 0
@@ -71,16 +77,11 @@ async def test_a_new_job_interrupts_the_chain(model: ffi.Model) -> None:
     running job ends."""
     async with open_engine(model, CONFIG) as engine:
         async with engine.submit(job(model, PROMPTS[1], 400)) as pieces:
-            received = 0
-            async for _ in pieces:
-                received += 1
-                if received == 10:
-                    break
+            assert await read(pieces, 10) == 10
             submitted_at = engine.stats.decode_steps
             async with engine.submit(job(model, PROMPTS[2], 4)) as second:
-                async for _ in second:
-                    first_piece_at = engine.stats.decode_steps
-                    break
+                assert await read(second, 1) == 1
+                first_piece_at = engine.stats.decode_steps
             assert first_piece_at - submitted_at <= 3
 
 

@@ -64,30 +64,7 @@ class DecodeThread:
     async def run(self, fn: Callable[..., Any], *args: Any, meanwhile: Callable[[], None] | None = None) -> Any:
         """``fn(*args)`` in the thread; ``meanwhile()``, when given, runs here (synchronously)
         once the call is handed over, while it runs."""
-        if self._busy:
-            raise RuntimeError("DecodeThread.run is not reentrant")
-        await trio.lowlevel.checkpoint_if_cancelled()
-        self._busy = True
-        self._calls.put((fn, args))
-        try:
-            try:
-                if meanwhile is not None:
-                    meanwhile()
-                await trio.lowlevel.wait_readable(self._done_recv)
-            except BaseException:  # cancelled: the call goes on; wait for it, then re-raise
-                with trio.CancelScope(shield=True):
-                    await trio.lowlevel.wait_readable(self._done_recv)
-                raise
-            finally:
-                with contextlib.suppress(BlockingIOError):
-                    self._done_recv.recv(1)
-        finally:
-            self._busy = False
-        assert self._result is not None
-        (ok, value), self._result = self._result, None
-        if not ok:
-            raise value
-        return value
+        return await self.run_posting(_without_posts, fn, args, take=_take_nothing, stop=_nothing, meanwhile=meanwhile)
 
     async def run_posting(
         self,
@@ -110,9 +87,9 @@ class DecodeThread:
         self._busy = True
         self._calls.put((fn, (*args, self._post)))
         try:
-            if meanwhile is not None:
-                meanwhile()
             try:
+                if meanwhile is not None:
+                    meanwhile()
                 while not await self._take_posts(take):
                     pass
             except BaseException:  # cancelled: the call goes on; wait for it, then re-raise
@@ -152,3 +129,15 @@ class DecodeThread:
             self._thread.join()
         self._done_recv.close()
         self._done_send.close()
+
+
+def _without_posts(fn: Callable[..., Any], args: tuple[Any, ...], post: Callable[[Any], None]) -> Any:
+    return fn(*args)
+
+
+def _take_nothing(items: list[Any], done: bool) -> None:
+    assert not items, "a plain call posts nothing"
+
+
+def _nothing() -> None:
+    pass
