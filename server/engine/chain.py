@@ -38,7 +38,7 @@ from server.engine.step import Sampled, StepResult, run_step
 
 class Chain:
     """What the engine task and the decode thread share about chaining; plain attributes, each
-    written by one side."""
+    written by one side while a step runs (the engine task zeroes the counts between calls)."""
 
     __slots__ = ("enabled", "attention", "posted", "taken", "steps")
 
@@ -159,7 +159,7 @@ def run_chain(
             return ChainFailed(plan, exc)
         judged = judge(result.sampled, eog, n_ctx_seq)
         chain.steps += 1
-        kv = slot_ops.cell_counts(context, list(slots)) if chain.steps % KV_STATS_EVERY == 0 else None
+        kv = slot_ops.cell_counts(context, slots) if chain.steps % KV_STATS_EVERY == 0 else None
         done = StepDone(result, judged, plan, time.perf_counter() - started, kv)
         # The engine task has taken every step posted before: the thread runs one step ahead at most.
         if not chain.enabled or chain.attention or chain.posted > chain.taken:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import queue
 import socket
 import threading
@@ -109,13 +108,8 @@ class DecodeThread:
     async def _take_posts(self, take: Callable[[list[Any], bool], None]) -> bool:
         """Wait for the thread's next signal; hand what it posted to ``take``. True: its call returned."""
         await trio.lowlevel.wait_readable(self._done_recv)
-        signals = b""
-        with contextlib.suppress(BlockingIOError):
-            while chunk := self._done_recv.recv(4096):
-                signals += chunk
-                if len(chunk) < 4096:
-                    break
-        done = _DONE in signals  # every post before the call's end is in the deque by now
+        # A byte per post and one for the end; the thread runs at most a post or two ahead.
+        done = _DONE in self._done_recv.recv(4096)  # every post before the end is in the deque by now
         posts = []
         while self._posts:
             posts.append(self._posts.popleft())

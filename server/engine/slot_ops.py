@@ -11,7 +11,7 @@ business: here a state is bytes and the tokens it holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -140,7 +140,7 @@ def views(slots: list[Slot]) -> list[SequenceView]:
     return out
 
 
-def cell_counts(context: ffi.Context, slots: list[Slot]) -> tuple[int, int]:
+def cell_counts(context: ffi.Context, slots: Sequence[Slot]) -> tuple[int, int]:
     """KV cells in use by all sequences, and of those, held by idle ones (two C calls each)."""
     used = cached = 0
     for slot in slots:
