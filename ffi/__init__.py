@@ -5,7 +5,7 @@ initialises llama.cpp's backend once per process.
 """
 
 from ffi import backend
-from ffi._lib import ProgressReporter
+from ffi._lib import ProgressReporter, log_lines
 from ffi.backend import BackendError, Device, Placement
 from ffi.chat import ChatTemplate
 from ffi.context import Attention, Batch, Context
@@ -55,4 +55,5 @@ __all__ = [
     "Vocab",
     "backend",
     "check_decode",
+    "log_lines",
 ]

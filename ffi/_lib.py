@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 try:
     from ffi._llama import ffi, lib
@@ -36,9 +37,7 @@ _LEVELS = {
 _pending = threading.local()
 
 
-@ffi.def_extern()
-def _llama_trio_log(level: int, text: object, _user_data: object) -> None:
-    chunk = ffi.string(text).decode("utf-8", "replace")
+def _emit(level: int, chunk: str) -> None:
     if level != lib.GGML_LOG_LEVEL_CONT:
         _pending.level = _LEVELS.get(level, logging.DEBUG)
         _pending.buf = ""
@@ -54,46 +53,79 @@ def _llama_trio_log(level: int, text: object, _user_data: object) -> None:
             log.log(level, "%s", line.rstrip())
 
 
+@ffi.def_extern()
+def _llama_trio_log(level: int, text: object, _user_data: object) -> None:
+    _emit(level, ffi.string(text).decode("utf-8", "replace"))
+
+
 @contextlib.contextmanager
 def log_lines() -> Iterator[list[tuple[int, str]]]:
     """Every line llama.cpp logs from this thread inside the block, at any level (debug lines
-    too, whatever the logger lets through), as (logging level, text) in the list it yields."""
-    previous = getattr(_pending, "tap", None)
+    too, whatever the logger lets through), as (logging level, text) in the list it yields,
+    filled when the block ends. Meanwhile the lines are kept in C (``helpers.h``), so a long
+    call logs without taking the GIL once per line; they reach the logger at the end. Does not
+    nest (``Model`` and ``Context`` use it around their creation)."""
+    if getattr(_pending, "capturing", False):
+        raise RuntimeError("log_lines() does not nest")
     lines: list[tuple[int, str]] = []
-    _pending.tap = lines
+    _pending.capturing = True
+    lib.llama_trio_log_capture(1)
     try:
         yield lines
     finally:
-        _pending.tap = previous
+        lib.llama_trio_log_capture(0)
+        _pending.capturing = False
+        out = ffi.new("const char **")
+        size = lib.llama_trio_log_captured(out)
+        records = ffi.unpack(out[0], size).split(b"\0")[:-1] if size else []
+        lib.llama_trio_log_release()
+        _pending.tap = lines
+        try:
+            for record in records:
+                _emit(record[0] - 1, record[1:].decode("utf-8", "replace"))
+        finally:
+            _pending.tap = None
 
 
 class ProgressReporter:
-    """Receives llama.cpp's load progress; logs every 25 %; ``abort()`` stops the load."""
+    """A model load's progress, kept in C (``struct llama_trio_progress``) while llama.cpp loads:
+    ``progress`` reads it, ``abort()`` stops the load at its next report; each quarter reached is
+    logged (Python hears of 5 reports, not one per tensor). Pass ``callback`` and ``state`` as
+    llama.cpp's progress callback and its user data, and keep the reporter alive meanwhile."""
+
+    callback: Any = ffi.addressof(lib, "llama_trio_progress_cb")
 
     def __init__(self, what: str, logger: logging.Logger) -> None:
         self.what = what
         self.logger = logger
-        self.aborted = False
-        self.progress = 0.0  # the last fraction reported, 0 to 1
-        self._last_decile = -1
+        self._handle = ffi.new_handle(self)
+        self.state: Any = ffi.new("struct llama_trio_progress *")
+        self.state.quarter = -1
+        self.state.report = lib._llama_trio_progress
+        self.state.report_data = self._handle
+
+    @property
+    def progress(self) -> float:
+        """The last fraction reported, 0 to 1."""
+        return float(self.state.progress)
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self.state.aborted)
 
     def abort(self) -> None:
-        self.aborted = True
+        self.state.aborted = 1
 
-    def report(self, progress: float) -> bool:
-        self.progress = progress
-        decile = int(progress * 4)
-        if decile != self._last_decile:
-            self._last_decile = decile
-            self.logger.info("loading %s: %d%%", self.what, decile * 25)
-        return not self.aborted
+    def report(self, progress: float) -> None:
+        self.logger.info("loading %s: %d%%", self.what, int(progress * 4) * 25)
 
 
 @ffi.def_extern()
 def _llama_trio_progress(progress: float, user_data: object) -> bool:
     reporter: ProgressReporter = ffi.from_handle(user_data)
-    return reporter.report(progress)
+    reporter.report(progress)
+    return True
 
 
-lib.llama_log_set(lib._llama_trio_log, ffi.NULL)
+lib.llama_trio_log_install(lib._llama_trio_log)
 lib.llama_backend_init()

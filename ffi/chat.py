@@ -11,13 +11,16 @@ import datetime
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
-
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ffi._lib import ffi, lib
 from ffi.errors import TemplateError
+
+if TYPE_CHECKING:
+    import jinja2
+
+# jinja2 (~20 ms to import) is imported by the first template that needs it, not by ``import
+# ffi``: the server's start begins loading the model before it imports the rest.
 
 logger = logging.getLogger("llama_trio.ffi.chat")
 
@@ -42,7 +45,9 @@ class ChatTemplate:
         self.eos_token = eos_token
         self._jinja: jinja2.Template | None = None
         if source and ("{%" in source or "{{" in source):
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
+            import jinja2.sandbox
+
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now
             try:
@@ -60,6 +65,8 @@ class ChatTemplate:
         """The prompt text for ``messages`` (and ``tools``, for a template that renders them);
         raises ``TemplateError`` when it cannot be made."""
         if self._jinja is not None:
+            import jinja2.exceptions
+
             try:
                 return self._jinja.render(
                     messages=[dict(m) for m in messages],

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ffi._lib import ffi, lib
+from ffi._lib import ffi, lib, log_lines
 from ffi.errors import ClosedError, ContextError, check_decode
 from ffi.model import Model
 
@@ -183,11 +184,14 @@ class Context:
         params.n_threads_batch = n_threads_batch or n_threads
         params.kv_unified = kv_unified
         params.no_perf = True
-        ptr = lib.llama_init_from_model(model.ptr, params)
+        with log_lines() as lines:
+            ptr = lib.llama_init_from_model(model.ptr, params)
         if ptr == ffi.NULL:
+            errors = [text for level, text in lines if level >= logging.ERROR]
             raise ContextError(
                 f"llama.cpp could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, n_seq_max={n_seq_max}, "
                 f"KV cache {attention.type_k}/{attention.type_v}, flash attention {attention.flash_attn})"
+                + (f": {errors[0]}" if errors else "")
             )
         self.params: Any = params
         self.model = model

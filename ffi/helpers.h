@@ -1,8 +1,11 @@
 /* Small C helpers compiled into ffi._llama beside the llama.cpp declarations (build_ffi.py).
  * They do per-token work that would cost tens of microseconds in Python or in a general
- * llama.cpp sampler chain. Declared for cffi at the end of ffi/llama.cdef.h. */
+ * llama.cpp sampler chain, and keep a load's log and progress out of Python. Declared for cffi at
+ * the end of ffi/llama.cdef.h. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* The largest value of x[from..to) (to > from) and, in *at, the first index holding it. NaNs
  * are never picked, except that x[from] is the answer when nothing is larger than it. Blocks
@@ -175,4 +178,102 @@ static ggml_backend_reg_t llama_trio_rpc_add_server(const char *endpoint)
     }
     ggml_backend_register(reg);
     return reg;
+}
+
+/* llama.cpp's log lines and load progress, kept in C while a thread loads.
+ *
+ * A line handed to Python (the ``forward`` callback, ffi/_lib.py) takes the GIL. A model's load
+ * logs about a thousand lines and reports progress once per tensor; beside a thread that runs
+ * Python (the start's imports, the event loop) each of those waits for its turn. So a thread
+ * that captures (llama_trio_log_capture(1)) keeps its lines in a buffer of its own, read in one
+ * call at the end; each record is the level plus one, the text, and a NUL. Other threads'
+ * lines go to Python as they come. */
+static ggml_log_callback llama_trio_log_forward;
+static _Thread_local int llama_trio_log_capturing;
+static _Thread_local char *llama_trio_log_buf;
+static _Thread_local size_t llama_trio_log_len;
+static _Thread_local size_t llama_trio_log_cap;
+
+static void llama_trio_log_cb(enum ggml_log_level level, const char *text, void *user_data)
+{
+    if (!llama_trio_log_capturing) {
+        if (llama_trio_log_forward != NULL) {
+            llama_trio_log_forward(level, text, user_data);
+        }
+        return;
+    }
+    size_t n = strlen(text);
+    size_t need = llama_trio_log_len + n + 2;
+    if (need > llama_trio_log_cap) {
+        size_t cap = llama_trio_log_cap ? llama_trio_log_cap : 65536;
+        while (cap < need) {
+            cap *= 2;
+        }
+        char *buf = realloc(llama_trio_log_buf, cap);
+        if (buf == NULL) {
+            return; /* out of memory: the line is lost, never the process */
+        }
+        llama_trio_log_buf = buf;
+        llama_trio_log_cap = cap;
+    }
+    llama_trio_log_buf[llama_trio_log_len++] = (char)(level + 1);
+    memcpy(llama_trio_log_buf + llama_trio_log_len, text, n + 1);
+    llama_trio_log_len += n + 1;
+}
+
+/* Route llama.cpp's log through llama_trio_log_cb; lines not captured go to ``forward``. */
+static void llama_trio_log_install(ggml_log_callback forward)
+{
+    llama_trio_log_forward = forward;
+    llama_log_set(llama_trio_log_cb, NULL);
+}
+
+/* Start (on) or stop capturing this thread's lines. Starting empties the buffer. */
+static void llama_trio_log_capture(int on)
+{
+    llama_trio_log_capturing = on;
+    if (on) {
+        llama_trio_log_len = 0;
+    }
+}
+
+/* This thread's captured records (*out, valid until the next capture or release) and their size. */
+static size_t llama_trio_log_captured(const char **out)
+{
+    *out = llama_trio_log_buf;
+    return llama_trio_log_len;
+}
+
+/* Free this thread's buffer. */
+static void llama_trio_log_release(void)
+{
+    free(llama_trio_log_buf);
+    llama_trio_log_buf = NULL;
+    llama_trio_log_len = 0;
+    llama_trio_log_cap = 0;
+}
+
+/* Load progress, kept by llama.cpp's progress callback without Python: ``progress`` (0 to 1)
+ * for anyone to read; ``aborted``, which stops the load at its next report; ``report`` (Python's),
+ * called only when the progress enters a new quarter (0, 25, 50, 75, 100 %), not per tensor. */
+struct llama_trio_progress {
+    float progress;
+    int32_t aborted;
+    int32_t quarter; /* the last quarter reported; -1 before the first */
+    llama_progress_callback report;
+    void *report_data;
+};
+
+static bool llama_trio_progress_cb(float progress, void *user_data)
+{
+    struct llama_trio_progress *p = user_data;
+    int32_t aborted;
+    __atomic_store(&p->progress, &progress, __ATOMIC_RELAXED);
+    int32_t quarter = (int32_t)(progress * 4.0f);
+    if (quarter != p->quarter && p->report != NULL) {
+        p->quarter = quarter;
+        p->report(progress, p->report_data);
+    }
+    __atomic_load(&p->aborted, &aborted, __ATOMIC_RELAXED);
+    return !aborted;
 }

@@ -244,7 +244,19 @@ void llama_trio_apply_mask(float * logits, int32_t n, const uint32_t * mask);
 ggml_backend_reg_t llama_trio_rpc_add_server(const char * endpoint);
 float llama_trio_logprobs(const float * logits, int32_t n, int32_t token, int32_t k, int32_t * top_tokens,
                           float * top_logprobs);
+void llama_trio_log_install(ggml_log_callback forward);
+void llama_trio_log_capture(int on);
+size_t llama_trio_log_captured(const char ** out);
+void llama_trio_log_release(void);
+struct llama_trio_progress {
+    float progress;
+    int32_t aborted;
+    int32_t quarter;
+    llama_progress_callback report;
+    void * report_data;
+};
+bool llama_trio_progress_cb(float progress, void * user_data);
 
-/* callbacks implemented in Python (ffi/_callbacks.py) */
+/* callbacks implemented in Python (ffi/_lib.py) */
 extern "Python" void _llama_trio_log(enum ggml_log_level, const char *, void *);
 extern "Python" bool _llama_trio_progress(float, void *);

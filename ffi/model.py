@@ -73,13 +73,12 @@ class Model:
         params.vocab_only = vocab_only
         if progress is None:
             progress = ProgressReporter(os.path.basename(self.path), logger)
-        handle = ffi.new_handle(progress)
-        params.progress_callback = lib._llama_trio_progress
-        params.progress_callback_user_data = handle
+        params.progress_callback = progress.callback
+        params.progress_callback_user_data = progress.state
         self.load_params: Any = params
         with log_lines() as lines:
             ptr = lib.llama_model_load_from_file(self.path.encode(), params)
-        params.progress_callback = ffi.NULL  # the reporter's handle dies with this call
+        params.progress_callback = ffi.NULL  # the reporter is the caller's; no pointer to it is kept
         params.progress_callback_user_data = ffi.NULL
         self.placement = Placement.from_log([text for _, text in lines])
         if ptr == ffi.NULL:

@@ -8,12 +8,12 @@ launch).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import pathlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 ENV_PREFIX = "LLAMA_TRIO_"
 # llama.cpp's KV cache types, as llama-server names them (ffi.context.CACHE_TYPES; not imported
@@ -285,10 +285,23 @@ def _kind(name: str) -> type:
 
 def package_version() -> str:
     """The installed distribution's version (editable installs have one too)."""
+    import importlib.metadata  # ~17 ms: only for --version and the places that show it
+
     try:
         return importlib.metadata.version("llama-trio")
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed)"
+
+
+class _Version(argparse.Action):
+    """``--version``: argparse's, except that the version is read only when it is asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
 
 
 def _argument_type(convert: Callable[[str], object]) -> Callable[[str], object]:
@@ -307,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible LLM server on llama.cpp. Every flag is also read from "
         f"{ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    parser.add_argument("--version", action=_Version)
     for f in fields(Settings):
         flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, ())]
         kind = _kind(f.name)

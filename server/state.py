@@ -17,6 +17,7 @@ from server.engine import EmbedderStats, Engine, EngineStats
 from server.engine.compiler import CompileStats
 from server.engine.embedder import Embedder
 from server.metrics import Metrics, ModelRow
+from server.models.loading import EarlyLoads
 from server.models.registry import ModelRegistry
 from server.models.runtime import ModelInfo, TemplateFileError
 from server.settings import Settings
@@ -26,9 +27,9 @@ __all__ = ["ModelInfo", "ServerState", "TemplateFileError"]
 
 
 class ServerState:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, early: EarlyLoads | None = None) -> None:
         self.settings = settings
-        self.models = ModelRegistry(settings)
+        self.models = ModelRegistry(settings, early)
         self.draining = False
         self.metrics = Metrics(
             self.engine_stats, lambda: self.draining, self.model_rows, self.compile_stats, self.embedder_stats

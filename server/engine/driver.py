@@ -60,15 +60,20 @@ class Engine:
     concurrently.
     """
 
-    def __init__(self, model: ffi.Model, config: EngineConfig, thread: DecodeThread) -> None:
-        """Blocking (creates the context): call it in ``thread``, which the engine then owns."""
+    def __init__(
+        self, model: ffi.Model, config: EngineConfig, thread: DecodeThread, context: ffi.Context | None = None
+    ) -> None:
+        """Blocking (creates the context, unless ``context``, made for ``model`` and shaped as
+        ``config``, is handed over): call it in ``thread``, which the engine then owns."""
         if config.n_parallel < 1 or config.n_parallel > config.n_ctx:
             raise ValueError("n_parallel must be between 1 and n_ctx")
+        if context is not None and (context.model is not model or context.n_seq_max != config.n_parallel):
+            raise ValueError("the context handed to the engine is not one for its model and its n_parallel")
         self._thread = thread
         self.model = model
         self.config = config
         self.vocab = model.vocab
-        self.context = ffi.Context(
+        self.context = context or ffi.Context(
             model,
             n_ctx=config.n_ctx,
             n_batch=config.n_batch,
@@ -409,15 +414,18 @@ class Engine:
 
 
 @contextlib.asynccontextmanager
-async def open_engine(model: ffi.Model, config: EngineConfig) -> AsyncIterator[Engine]:
-    """Create an engine, run its task in a nursery, and close it when the block ends.
+async def open_engine(
+    model: ffi.Model, config: EngineConfig, *, context: ffi.Context | None = None
+) -> AsyncIterator[Engine]:
+    """Create an engine (on ``context`` when one is handed over: the engine owns it from now),
+    run its task in a nursery, and close it when the block ends.
 
     *Cancellation*: leaving the block cancels the engine task, waits for any decode step in
     progress, ends remaining jobs with ``ShuttingDown``, then frees the context.
     """
     thread = DecodeThread()
     try:
-        engine = await thread.run(Engine, model, config, thread)
+        engine = await thread.run(Engine, model, config, thread, context)
     except BaseException:
         thread.close()
         raise

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import trio
 
 from server.engine import Engine, EngineStats
+from server.models.loading import EarlyLoads
 from server.models.policy import Resident, idle_expired, make_room
 from server.models.runtime import ModelInfo, ModelRuntime, read_template
 from server.models.specs import ModelSpec, is_multi_model, model_specs
@@ -86,9 +87,10 @@ class Lease:
 class ModelRegistry:
     """``await nursery.start(registry.run)``; ``close()`` unloads everything and ends ``run``."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, early: EarlyLoads | None = None) -> None:
         self.settings = settings
         self.specs = model_specs(settings)
+        self._early = early  # loads begun as the process started, each taken by its first runtime
         self.single = not is_multi_model(settings)
         self.created = int(time.time())
         self._names = {name: spec for spec in self.specs for name in spec.names}
@@ -248,7 +250,8 @@ class ModelRegistry:
         victims = make_room(resident, spec.file_bytes(), self.settings.models_max, max_bytes)
         if victims is None and not force:
             return False
-        runtime = ModelRuntime(spec, self._templates[spec.id], self.created)
+        early = self._early.pop(spec) if self._early is not None else None
+        runtime = ModelRuntime(spec, self._templates[spec.id], self.created, early)
         self._runtimes[spec.id] = runtime
         stopping = [self._runtimes[v] for v in victims or ()]
         for victim in stopping:

@@ -1,6 +1,7 @@
-"""``ModelRuntime``: one load of one model, from its load to its unload. It loads the model
-(in a worker thread, abortable through llama.cpp's progress callback), runs its engine (and its
-embedder, with ``--embeddings``) until ``stop``, then frees both. A model that is unloaded and
+"""``ModelRuntime``: one load of one model, from its load to its unload. It loads the model and
+its engine's context (``loading.load``, in a worker thread, abortable through llama.cpp's
+progress callback; or takes over a load begun as the process started, ``loading.EarlyLoad``),
+runs its engine (and its embedder, with ``--embeddings``) until ``stop``, then frees both. A model that is unloaded and
 loaded again gets a new runtime. What is fixed for the load is one frozen ``ModelInfo``.
 """
 
@@ -20,8 +21,9 @@ from server.engine.compiler import CompileStats, GrammarCompiler
 from server.engine.embedder import Embedder, open_embedder
 from server.engine.grammar import GrammarCache, build_tokenizer
 from server.engine.grammar_limits import COMPILE_EXIT_WAIT
+from server.models.loading import EarlyLoad, Loaded, load
 from server.models.specs import ModelSpec
-from server.offload import DeviceUse, attention, describe, device_uses, load_model
+from server.offload import DeviceUse, attention
 
 logger = logging.getLogger("llama_trio.models")
 
@@ -61,7 +63,9 @@ class ModelRuntime:
     everything is freed. ``users`` counts the requests that hold it (``registry.Lease``).
     """
 
-    def __init__(self, spec: ModelSpec, template_source: str | None, created: int) -> None:
+    def __init__(
+        self, spec: ModelSpec, template_source: str | None, created: int, early: EarlyLoad | None = None
+    ) -> None:
         self.spec = spec
         self.created = created
         self.engine: Engine | None = None
@@ -75,7 +79,8 @@ class ModelRuntime:
         self.stopping = False
         self._template_source = template_source
         self._stop = trio.Event()
-        self._progress = ffi.ProgressReporter(spec.id, logger)
+        self._early = early  # a load of spec begun as the process started; this runtime owns it
+        self._progress = early.progress if early is not None else ffi.ProgressReporter(spec.id, logger)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = trio.Lock()
         self._compiles_stopped = False
@@ -165,20 +170,25 @@ class ModelRuntime:
         try:
             await self._run()
         finally:
+            if self._early is not None:  # never taken: abort it, wait for its thread, free it
+                self._progress.abort()
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self._early.close)
             self.engine = None
             self.embedder = None
             self.loaded.set()
             self.done.set()
 
     async def _run(self) -> None:
-        started = time.monotonic()
+        started = self._early.started if self._early is not None else time.monotonic()
         try:
-            model, devices = await trio.to_thread.run_sync(self._load_model)
-        except (ffi.ModelLoadError, ffi.BackendError) as exc:
+            loaded = await trio.to_thread.run_sync(self._load)
+        except (ffi.ModelLoadError, ffi.BackendError, ffi.ContextError) as exc:
             if not self._stop.is_set():
                 logger.error("%s", exc)
             self.failed = exc
             return
+        model, devices = loaded.model, loaded.devices
         try:
             template = ffi.ChatTemplate(
                 self._template_source or model.chat_template,
@@ -187,7 +197,9 @@ class ModelRuntime:
             fingerprint = f"fp_{model.fingerprint()}"
             self.info = ModelInfo(self.spec.id, self.created, model.name, fingerprint, template, devices)
             async with contextlib.AsyncExitStack() as stack:
-                engine = await stack.enter_async_context(open_engine(model, self._engine_config()))
+                engine = await stack.enter_async_context(
+                    open_engine(model, self._engine_config(), context=loaded.context)
+                )
                 s = self.spec.settings
                 if s.embeddings:
                     self.embedder = await stack.enter_async_context(
@@ -231,16 +243,8 @@ class ModelRuntime:
             fast_forward=not s.no_fast_forward,
         )
 
-    def _load_model(self) -> tuple[ffi.Model, tuple[DeviceUse, ...]]:
-        model = load_model(self.spec.settings, self.spec.path, self._progress)
-        try:
-            # One pass over the vocabulary each, here in the loading thread rather than on the
-            # event loop at the first request that needs them.
-            model.vocab.control_pattern  # noqa: B018
-            model.vocab.eog_tokens  # noqa: B018
-            devices = device_uses(model)
-            logger.info("%s", describe(model, devices))
-        except BaseException:
-            model.close()
-            raise
-        return model, devices
+    def _load(self) -> Loaded:
+        early, self._early = self._early, None
+        if early is not None:
+            return early.take()
+        return load(self.spec, self._progress)

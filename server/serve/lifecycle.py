@@ -45,6 +45,7 @@ from hypercorn.utils import wrap_app
 
 from server.api.app import create_app
 from server.engine import ShuttingDown
+from server.models.loading import EarlyLoads
 from server.net.connection import ARRIVAL_GRACE, Connection
 from server.net.header_case import CanonicalHeaders
 from server.net.listener import bound_address, bound_port, open_listener
@@ -81,7 +82,9 @@ class Service:
 
     ``sock``: a listening socket to serve instead of opening one; ``inherited`` when it was
     handed to this process (see the module's docstring). ``ready_fd``: the pipe on which a hot
-    restart's old process waits for this one (``restart.report_ready``).
+    restart's old process waits for this one (``restart.report_ready``). ``early``: the loads of
+    the models loaded at start, begun before the server's modules were imported
+    (``__main__``); each model's runtime takes its own, and the caller closes the rest.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class Service:
         *,
         inherited: bool = False,
         ready_fd: int | None = None,
+        early: EarlyLoads | None = None,
     ) -> None:
         self.settings = settings
         # The listener first: a busy port fails before anything expensive happens.
@@ -98,7 +102,7 @@ class Service:
         try:
             self.port = bound_port(self.sock)
             self.address = bound_address(self.sock)
-            self.state = ServerState(settings)
+            self.state = ServerState(settings, early)
             self.app = create_app(state=self.state)
         except BaseException:
             self.sock.close()
