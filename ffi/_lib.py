@@ -32,30 +32,44 @@ _LEVELS = {
     lib.GGML_LOG_LEVEL_ERROR: logging.ERROR,
 }
 
-# llama.cpp writes a line in pieces (level CONT for the tail); join them per thread so each log
-# record is one whole line.
-_pending = threading.local()
+
+class _Lines:
+    """llama.cpp writes a line in pieces (level CONT for the tail): joins them, so that each log
+    record is one whole line. ``tap``: a list that also receives every line."""
+
+    def __init__(self) -> None:
+        self.level = logging.DEBUG
+        self.buf = ""
+        self.tap: list[tuple[int, str]] | None = None
+
+    def feed(self, level: int, chunk: str, *, logged: bool = False) -> None:
+        """``logged``: the piece reached the logger already (see ``log_lines``)."""
+        if level != lib.GGML_LOG_LEVEL_CONT:
+            self.level = _LEVELS.get(level, logging.DEBUG)
+            self.buf = ""
+        lines = (self.buf + chunk).split("\n")
+        self.buf = lines.pop()
+        for line in lines:
+            if line.strip():
+                if self.tap is not None:
+                    self.tap.append((self.level, line.rstrip()))
+                if not logged:
+                    log.log(self.level, "%s", line.rstrip())
 
 
-def _emit(level: int, chunk: str) -> None:
-    if level != lib.GGML_LOG_LEVEL_CONT:
-        _pending.level = _LEVELS.get(level, logging.DEBUG)
-        _pending.buf = ""
-    buf = getattr(_pending, "buf", "") + chunk
-    lines = buf.split("\n")
-    _pending.buf = lines.pop()
-    tap = getattr(_pending, "tap", None)
-    level = getattr(_pending, "level", logging.DEBUG)
-    for line in lines:
-        if line.strip():
-            if tap is not None:
-                tap.append((level, line.rstrip()))
-            log.log(level, "%s", line.rstrip())
+_threads = threading.local()  # each thread's _Lines, and whether it captures
+
+
+def _lines() -> _Lines:
+    lines: _Lines | None = getattr(_threads, "lines", None)
+    if lines is None:
+        lines = _threads.lines = _Lines()
+    return lines
 
 
 @ffi.def_extern()
 def _llama_trio_log(level: int, text: object, _user_data: object) -> None:
-    _emit(level, ffi.string(text).decode("utf-8", "replace"))
+    _lines().feed(level, ffi.string(text).decode("utf-8", "replace"))
 
 
 @contextlib.contextmanager
@@ -63,28 +77,27 @@ def log_lines() -> Iterator[list[tuple[int, str]]]:
     """Every line llama.cpp logs from this thread inside the block, at any level (debug lines
     too, whatever the logger lets through), as (logging level, text) in the list it yields,
     filled when the block ends. Meanwhile the lines are kept in C (``helpers.h``), so a long
-    call logs without taking the GIL once per line; they reach the logger at the end. Does not
-    nest (``Model`` and ``Context`` use it around their creation)."""
-    if getattr(_pending, "capturing", False):
+    call logs without taking the GIL once per line; they reach the logger at the end, except
+    warnings and errors, logged as they come. Does not nest (``Model`` and ``Context`` use it
+    around their creation)."""
+    if getattr(_threads, "capturing", False):
         raise RuntimeError("log_lines() does not nest")
     lines: list[tuple[int, str]] = []
-    _pending.capturing = True
+    _threads.capturing = True
     lib.llama_trio_log_capture(1)
     try:
         yield lines
     finally:
         lib.llama_trio_log_capture(0)
-        _pending.capturing = False
+        _threads.capturing = False
         out = ffi.new("const char **")
         size = lib.llama_trio_log_captured(out)
         records = ffi.unpack(out[0], size).split(b"\0")[:-1] if size else []
         lib.llama_trio_log_release()
-        _pending.tap = lines
-        try:
-            for record in records:
-                _emit(record[0] - 1, record[1:].decode("utf-8", "replace"))
-        finally:
-            _pending.tap = None
+        replay = _Lines()
+        replay.tap = lines
+        for record in records:
+            replay.feed((record[0] & 0x7F) - 1, record[1:].decode("utf-8", "replace"), logged=bool(record[0] & 0x80))
 
 
 class ProgressReporter:

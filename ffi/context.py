@@ -194,6 +194,7 @@ class Context:
                 + (f": {errors[0]}" if errors else "")
             )
         self.params: Any = params
+        self.attention = attention
         self.model = model
         self._ptr: Any = ffi.gc(ptr, lib.llama_free)
         self._mem: Any = lib.llama_get_memory(ptr)

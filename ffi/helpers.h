@@ -186,20 +186,27 @@ static ggml_backend_reg_t llama_trio_rpc_add_server(const char *endpoint)
  * logs about a thousand lines and reports progress once per tensor; beside a thread that runs
  * Python (the start's imports, the event loop) each of those waits for its turn. So a thread
  * that captures (llama_trio_log_capture(1)) keeps its lines in a buffer of its own, read in one
- * call at the end; each record is the level plus one, the text, and a NUL. Other threads'
- * lines go to Python as they come. */
+ * call at the end; each record is its level plus one (with 0x80 set when the piece was also
+ * handed to Python as it came), the text, and a NUL. Warnings and errors (and their
+ * continuation pieces) still go to Python at once, so that what explains a load that aborts or
+ * hangs is logged; they are rare. Other threads' lines go to Python as they come. */
 static ggml_log_callback llama_trio_log_forward;
 static _Thread_local int llama_trio_log_capturing;
+static _Thread_local int llama_trio_log_urgent; /* the line under way is a warning or an error */
 static _Thread_local char *llama_trio_log_buf;
 static _Thread_local size_t llama_trio_log_len;
 static _Thread_local size_t llama_trio_log_cap;
 
 static void llama_trio_log_cb(enum ggml_log_level level, const char *text, void *user_data)
 {
+    if (level != GGML_LOG_LEVEL_CONT) {
+        llama_trio_log_urgent = level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR;
+    }
+    int forward = !llama_trio_log_capturing || llama_trio_log_urgent;
+    if (forward && llama_trio_log_forward != NULL) {
+        llama_trio_log_forward(level, text, user_data);
+    }
     if (!llama_trio_log_capturing) {
-        if (llama_trio_log_forward != NULL) {
-            llama_trio_log_forward(level, text, user_data);
-        }
         return;
     }
     size_t n = strlen(text);
@@ -216,7 +223,7 @@ static void llama_trio_log_cb(enum ggml_log_level level, const char *text, void 
         llama_trio_log_buf = buf;
         llama_trio_log_cap = cap;
     }
-    llama_trio_log_buf[llama_trio_log_len++] = (char)(level + 1);
+    llama_trio_log_buf[llama_trio_log_len++] = (char)((level + 1) | (forward ? 0x80 : 0));
     memcpy(llama_trio_log_buf + llama_trio_log_len, text, n + 1);
     llama_trio_log_len += n + 1;
 }

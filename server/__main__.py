@@ -39,9 +39,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Start-up makes objects that live as long as the process: no collections while it does,
     # and none of them scanned again afterwards (gc.freeze).
     gc.disable()
-    from server.model_files import DefaultModelMissing
-    from server.models.loading import EarlyLoads
-    from server.models.specs import ModelSpecError
     from server.net.listener import ListenError, inherited_socket, open_listener
 
     try:
@@ -51,6 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ListenError as exc:
         print(f"llama-trio: {exc}", file=sys.stderr)
         return 2
+    # The binding (llama.cpp's backends: a GPU's initialisation) only once the port is ours.
+    from server.model_files import DefaultModelMissing
+    from server.models.loading import EarlyLoads
+    from server.models.specs import ModelSpecError
+
     try:
         early = EarlyLoads.begin(settings)
     except (DefaultModelMissing, ModelSpecError) as exc:
@@ -66,8 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(settings: Settings, sock: socket.socket, inherited: bool, early: EarlyLoads) -> int:
     import trio
 
-    from server.model_files import DefaultModelMissing
-    from server.models.specs import ModelSpecError
     from server.serve.lifecycle import Service
     from server.serve.restart import take_ready_fd
     from server.state import TemplateFileError
@@ -76,7 +76,7 @@ def _serve(settings: Settings, sock: socket.socket, inherited: bool, early: Earl
     ready_fd = take_ready_fd(os.environ)  # set when we are a hot restart's new process
     try:
         service = Service(settings, sock, inherited=inherited, ready_fd=ready_fd, early=early)
-    except (DefaultModelMissing, ModelSpecError, TemplateFileError, StoreError) as exc:
+    except (TemplateFileError, StoreError) as exc:
         print(f"llama-trio: {exc}", file=sys.stderr)
         return 2
     gc.enable()

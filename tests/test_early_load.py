@@ -67,15 +67,45 @@ def test_closing_loads_never_taken_waits_for_their_threads(model_path: pathlib.P
     assert not any(t.name.startswith("load ") for t in threading.enumerate())
 
 
-def test_the_engine_refuses_a_context_not_shaped_for_it(model: ffi.Model) -> None:
-    context = ffi.Context(model, n_ctx=256, n_seq_max=1, n_threads=1, kv_unified=False)
+def test_the_engine_refuses_a_context_not_made_for_its_config(model: ffi.Model) -> None:
+    config = EngineConfig(n_parallel=2, n_ctx=512, n_batch=256, n_threads=1)
+    shapes = {
+        "fits": dict(n_ctx=512, n_batch=256, n_seq_max=2, n_threads=1, kv_unified=False),
+        "sequences": dict(n_ctx=512, n_batch=256, n_seq_max=1, n_threads=1, kv_unified=False),
+        "cells": dict(n_ctx=1024, n_batch=256, n_seq_max=2, n_threads=1, kv_unified=False),
+        "unified": dict(n_ctx=512, n_batch=256, n_seq_max=2, n_threads=1, kv_unified=True),
+        "attention": dict(
+            n_ctx=512, n_batch=256, n_seq_max=2, n_threads=1, kv_unified=False, attention=ffi.Attention(type_k="q8_0")
+        ),
+    }
     thread = DecodeThread()
     try:
-        with pytest.raises(ValueError, match="not one for its model and its n_parallel"):
-            Engine(model, EngineConfig(n_parallel=2, n_ctx=256), thread, context)
+        for name, shape in shapes.items():
+            context = ffi.Context(model, **shape)  # type: ignore[arg-type]
+            try:
+                if name == "fits":
+                    engine = Engine(model, config, thread, context)
+                    assert engine.context is context
+                else:
+                    with pytest.raises(ValueError, match="not made for its model and its config"):
+                        Engine(model, config, thread, context)
+            finally:
+                context.close()
     finally:
         thread.close()
-        context.close()
+
+
+def test_warnings_reach_the_logger_as_they_come(model: ffi.Model, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="llama_trio.llama_cpp")
+    # More cells per sequence than the model was trained on: llama.cpp warns, in the middle of
+    # the context's creation, whose other lines are kept in C until it ends.
+    context = ffi.Context(model, n_ctx=model.n_ctx_train + 256, n_seq_max=1, n_threads=1)
+    context.close()
+    messages = [r.getMessage() for r in caplog.records if r.name == "llama_trio.llama_cpp"]
+    warned = [i for i, m in enumerate(messages) if "n_ctx_train" in m and "overflow" in m]
+    assert len(warned) == 1  # once: as it came, not again at the end
+    # llama.cpp logged "constructing" before it warned; the debug line reached Python at the end.
+    assert warned[0] < messages.index("llama_context: constructing llama_context")
 
 
 def test_a_loads_log_and_progress_stay_in_c_until_it_ends(

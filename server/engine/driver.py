@@ -67,8 +67,8 @@ class Engine:
         ``config``, is handed over): call it in ``thread``, which the engine then owns."""
         if config.n_parallel < 1 or config.n_parallel > config.n_ctx:
             raise ValueError("n_parallel must be between 1 and n_ctx")
-        if context is not None and (context.model is not model or context.n_seq_max != config.n_parallel):
-            raise ValueError("the context handed to the engine is not one for its model and its n_parallel")
+        if context is not None and not _shaped_for(context, model, config):
+            raise ValueError("the context handed to the engine is not made for its model and its config")
         self._thread = thread
         self.model = model
         self.config = config
@@ -411,6 +411,14 @@ class Engine:
         self._batch.close()
         self.context.close()
         self._thread.close()
+
+
+def _shaped_for(context: ffi.Context, model: ffi.Model, config: EngineConfig) -> bool:
+    """Whether ``context`` is the one ``Engine`` would make for ``model`` and ``config``."""
+    p = context.params
+    asked = (p.n_ctx, p.n_batch, p.n_seq_max, p.n_threads, bool(p.kv_unified), context.attention)
+    wanted = (config.n_ctx, config.n_batch, config.n_parallel, config.n_threads, False, config.attention)
+    return context.model is model and asked == wanted
 
 
 @contextlib.asynccontextmanager

@@ -109,23 +109,30 @@ class EarlyLoad:
 
 class EarlyLoads:
     """The models loaded at start, their loads begun (``begin``); ``pop`` hands one to its
-    runtime, ``close()`` (idempotent) aborts and frees the ones never taken."""
+    runtime, ``close()`` (idempotent) aborts and frees the ones never taken. ``specs``: every
+    model's spec, read once for the loads and the registry alike."""
 
-    def __init__(self, loads: list[EarlyLoad]) -> None:
+    def __init__(self, specs: list[ModelSpec], loads: list[EarlyLoad]) -> None:
+        self.specs = specs
         self._loads = {load.spec.id: load for load in loads}
 
     @classmethod
     def begin(cls, settings: Settings) -> EarlyLoads:
         """Raises ``ModelSpecError`` or ``DefaultModelMissing`` as ``model_specs`` does."""
-        return cls([EarlyLoad(spec) for spec in model_specs(settings) if spec.load_on_start])
+        specs = model_specs(settings)
+        loads: list[EarlyLoad] = []
+        try:
+            for spec in specs:
+                if spec.load_on_start:
+                    loads.append(EarlyLoad(spec))
+        except BaseException:  # a thread that cannot start: stop the ones that did
+            cls(specs, loads).close()
+            raise
+        return cls(specs, loads)
 
     def pop(self, spec: ModelSpec) -> EarlyLoad | None:
-        """The early load of ``spec``, once; None when there is none (or it was taken)."""
-        early = self._loads.get(spec.id)
-        if early is None or early.spec != spec:
-            return None
-        del self._loads[spec.id]
-        return early
+        """The early load of ``spec`` (one of ``specs``), once; None when there is none."""
+        return self._loads.pop(spec.id, None)
 
     def close(self) -> None:
         loads, self._loads = list(self._loads.values()), {}

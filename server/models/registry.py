@@ -89,7 +89,8 @@ class ModelRegistry:
 
     def __init__(self, settings: Settings, early: EarlyLoads | None = None) -> None:
         self.settings = settings
-        self.specs = model_specs(settings)
+        # The start's early loads read the specs already: the same ones, not a second reading.
+        self.specs = early.specs if early is not None else model_specs(settings)
         self._early = early  # loads begun as the process started, each taken by its first runtime
         self.single = not is_multi_model(settings)
         self.created = int(time.time())
