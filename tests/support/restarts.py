@@ -16,7 +16,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tests.support.process import ServerProcess
 from tests.support.waiting import POLL_S, wait_for
@@ -80,13 +80,19 @@ def alive(pid: int) -> bool:
         return False
 
 
-def restart_in_place(old: ServerProcess, args: list[str], timeout: float) -> ServerProcess:
+def restart_in_place(
+    old: ServerProcess, args: list[str], timeout: float, *, while_down: Callable[[], bool] | None = None
+) -> ServerProcess:
     """A plain restart, as a rolling restart does it: SIGTERM to ``old``, a new ``python -m
-    server ARGS`` on its port as soon as it has stopped accepting, ``old`` exits 0 and the new one
-    is ready. Returns the new one; ``old`` is closed."""
+    server ARGS`` on its port as soon as it has stopped accepting (and, with ``while_down``, once
+    that condition holds: the new process opens its port within ~50 ms of its start, too soon
+    for a client to meet it closed by chance), ``old`` exits 0 and the new one is ready. Returns
+    the new one; ``old`` is closed."""
     port = old.port
     old.send_signal(signal.SIGTERM)
     wait_for(lambda: "shutting down: listener closed" in old.log, "the old server to stop accepting", timeout)
+    if while_down is not None:
+        wait_for(while_down, "the closed port to be met", timeout)
     new = ServerProcess(args, port=port)
     try:
         assert old.wait(timeout) == 0, old.log
