@@ -180,6 +180,21 @@ static ggml_backend_reg_t llama_trio_rpc_add_server(const char *endpoint)
     return reg;
 }
 
+/* The tokens of a vocabulary (n of them) that are end-of-generation tokens (attr_mask == 0) or
+ * have an attribute in attr_mask, into out (room for n); their count. One C call for a pass
+ * that would be one call per token from Python. */
+static int32_t llama_trio_vocab_select(const struct llama_vocab *vocab, int32_t n, int32_t attr_mask, int32_t *out)
+{
+    int32_t count = 0;
+    for (llama_token t = 0; t < n; t++) {
+        int hit = attr_mask == 0 ? llama_vocab_is_eog(vocab, t) : (llama_vocab_get_attr(vocab, t) & attr_mask) != 0;
+        if (hit) {
+            out[count++] = t;
+        }
+    }
+    return count;
+}
+
 /* llama.cpp's log lines and load progress, kept in C while a thread loads.
  *
  * A line handed to Python (the ``forward`` callback, ffi/_lib.py) takes the GIL. A model's load

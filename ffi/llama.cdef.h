@@ -244,6 +244,7 @@ void llama_trio_apply_mask(float * logits, int32_t n, const uint32_t * mask);
 ggml_backend_reg_t llama_trio_rpc_add_server(const char * endpoint);
 float llama_trio_logprobs(const float * logits, int32_t n, int32_t token, int32_t k, int32_t * top_tokens,
                           float * top_logprobs);
+int32_t llama_trio_vocab_select(const struct llama_vocab * vocab, int32_t n, int32_t attr_mask, int32_t * out);
 void llama_trio_log_install(ggml_log_callback forward);
 void llama_trio_log_capture(int on);
 size_t llama_trio_log_captured(const char ** out);

@@ -125,12 +125,17 @@ class Vocab:
 
     @property
     def eog_tokens(self) -> frozenset[int]:
-        """Every end-of-generation token, found once (one C call per vocabulary entry); a set
+        """Every end-of-generation token, found once (one C pass over the vocabulary); a set
         lookup is what the generation loop does per token instead of a C call."""
         if self._eog is None:
-            ptr = self.ptr
-            self._eog = frozenset(t for t in range(self.n_tokens) if lib.llama_vocab_is_eog(ptr, t))
+            self._eog = frozenset(self._select(0))
         return self._eog
+
+    def _select(self, attr_mask: int) -> list[int]:
+        """The tokens with an attribute in ``attr_mask`` (0: the end-of-generation tokens)."""
+        out = ffi.new("int32_t[]", self.n_tokens)
+        count = lib.llama_trio_vocab_select(self.ptr, self.n_tokens, attr_mask, out)
+        return ffi.unpack(out, count)
 
     @property
     def control_pattern(self) -> re.Pattern[str]:
@@ -150,13 +155,12 @@ class Vocab:
         return self._controls
 
     def _find_controls(self) -> None:
-        # Once per vocabulary: one C call per entry.
+        # Once per vocabulary: one C pass finds them, then one C call per control token.
         ptr = self.ptr
-        special = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN
         controls: dict[str, tuple[int, bool, bool]] = {}
-        for token in range(self.n_tokens):
+        for token in self._select(lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN):
             attr = lib.llama_vocab_get_attr(ptr, token)
-            text = self.text(token) if attr & special else ""
+            text = self.text(token)
             if text and text not in controls:
                 controls[text] = (token, bool(attr & _LSTRIP), bool(attr & _RSTRIP))
         # Longest first, so that a text that begins another one never hides it.
