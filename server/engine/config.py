@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import ffi
 from server.engine.jobs import Phase
@@ -28,6 +29,21 @@ class EngineConfig:
     # The decode thread runs on to the next step by itself when the engine task would plan just
     # that (``chain``); off: the engine task plans every step (for comparisons).
     chain_steps: bool = True
+
+    def context_options(self) -> dict[str, Any]:
+        """``ffi.Context``'s options for the engine's context (a context handed to the engine
+        must have been made with them). One KV stream per sequence: a sequence's cells sit at
+        the same places whatever runs beside it, so greedy output does not depend on the other
+        sequences (with a unified buffer, attention sums run in a layout-dependent order and
+        can differ)."""
+        return {
+            "n_ctx": self.n_ctx,
+            "n_batch": self.n_batch,
+            "n_seq_max": self.n_parallel,
+            "n_threads": self.n_threads,
+            "kv_unified": False,
+            "attention": self.attention,
+        }
 
 
 # While the engine is busy, the KV cell counts in ``EngineStats`` are refreshed every this many

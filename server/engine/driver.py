@@ -73,18 +73,7 @@ class Engine:
         self.model = model
         self.config = config
         self.vocab = model.vocab
-        self.context = context or ffi.Context(
-            model,
-            n_ctx=config.n_ctx,
-            n_batch=config.n_batch,
-            n_seq_max=config.n_parallel,
-            n_threads=config.n_threads,
-            # One KV stream per sequence: a sequence's cells sit at the same places whatever
-            # runs beside it, so greedy output does not depend on the other sequences (with a
-            # unified buffer, attention sums run in a layout-dependent order and can differ).
-            kv_unified=False,
-            attention=config.attention,
-        )
+        self.context = context or ffi.Context(model, **config.context_options())
         self.n_ctx_seq = self.context.n_ctx_seq
         self.n_batch = self.context.n_batch  # llama.cpp lowers n_batch to n_ctx when it is larger
         self._eog = self.vocab.eog_tokens
@@ -414,11 +403,13 @@ class Engine:
 
 
 def _shaped_for(context: ffi.Context, model: ffi.Model, config: EngineConfig) -> bool:
-    """Whether ``context`` is the one ``Engine`` would make for ``model`` and ``config``."""
+    """Whether ``context`` was made for ``model`` with ``config.context_options()``."""
+    options = config.context_options()
+    attention = options.pop("attention")
     p = context.params
-    asked = (p.n_ctx, p.n_batch, p.n_seq_max, p.n_threads, bool(p.kv_unified), context.attention)
-    wanted = (config.n_ctx, config.n_batch, config.n_parallel, config.n_threads, False, config.attention)
-    return context.model is model and asked == wanted
+    made = {name: getattr(p, name) for name in options}
+    made["kv_unified"] = bool(made["kv_unified"])
+    return context.model is model and context.attention == attention and made == options
 
 
 @contextlib.asynccontextmanager

@@ -45,8 +45,8 @@ def load(spec: ModelSpec, progress: ffi.ProgressReporter) -> Loaded:
     try:
         if progress.aborted:
             raise ffi.ModelLoadError(f"loading {spec.path} was aborted")
-        # As the engine's own (``Engine``): one KV stream per sequence, so a sequence's output
-        # does not depend on what runs beside it. ``ModelRuntime`` shapes the engine alike.
+        # The engine's context (``EngineConfig.context_options``, which the engine checks), for
+        # the config ``ModelRuntime`` makes from the same settings.
         context = ffi.Context(
             model,
             n_ctx=s.ctx_size,
