@@ -37,10 +37,10 @@ class _Lines:
     """llama.cpp writes a line in pieces (level CONT for the tail): joins them, so that each log
     record is one whole line. ``tap``: a list that also receives every line."""
 
-    def __init__(self) -> None:
+    def __init__(self, tap: list[tuple[int, str]] | None = None) -> None:
         self.level = logging.DEBUG
         self.buf = ""
-        self.tap: list[tuple[int, str]] | None = None
+        self.tap = tap
 
     def feed(self, level: int, chunk: str, *, logged: bool = False) -> None:
         """``logged``: the piece reached the logger already (see ``log_lines``)."""
@@ -94,8 +94,7 @@ def log_lines() -> Iterator[list[tuple[int, str]]]:
         size = lib.llama_trio_log_captured(out)
         records = ffi.unpack(out[0], size).split(b"\0")[:-1] if size else []
         lib.llama_trio_log_release()
-        replay = _Lines()
-        replay.tap = lines
+        replay = _Lines(lines)
         for record in records:
             replay.feed((record[0] & 0x7F) - 1, record[1:].decode("utf-8", "replace"), logged=bool(record[0] & 0x80))
 

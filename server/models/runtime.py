@@ -171,7 +171,6 @@ class ModelRuntime:
             await self._run()
         finally:
             if self._early is not None:  # never taken: abort it, wait for its thread, free it
-                self._progress.abort()
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self._early.close)
             self.engine = None
