@@ -12,12 +12,11 @@ key (``middleware``), the version and betas as information (they select nothing 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from quart import Blueprint, Response, request
 from werkzeug.exceptions import MethodNotAllowed
 
-from server.api import anthropic_parse as parse
-from server.api import anthropic_render as render
-from server.api.anthropic_stream import AnthropicStream
 from server.api.collect import collect
 from server.api.errors import ApiError
 from server.api.middleware import as_api_error
@@ -26,6 +25,17 @@ from server.api.prepare import prepare_request, prompt_tokens
 from server.api.respond import current_state, json_response
 from server.api.streaming import streamed_response
 from server.api.trace import Trace
+
+if TYPE_CHECKING:
+    from server.api import anthropic_parse as parse
+    from server.api import anthropic_render as render
+    from server.api import anthropic_stream as stream
+else:  # run at the family's first request, not at every start (see server.api.lazy)
+    from server.api.lazy import lazy_module
+
+    parse = lazy_module("server.api.anthropic_parse")
+    render = lazy_module("server.api.anthropic_render")
+    stream = lazy_module("server.api.anthropic_stream")
 
 anthropic = Blueprint("anthropic", __name__)
 
@@ -63,7 +73,7 @@ async def messages() -> Response:
         raise
     id_ = render.message_id()
     if prepared.stream:
-        dialect = AnthropicStream(prepared, id_)
+        dialect = stream.AnthropicStream(prepared, id_)
         return streamed_response(prepared, dialect, trace, state.settings.ping_interval)
     choice = (await collect(prepared, trace))[0]
     content, called = render.whole_content(choice.text, prepared.tools)

@@ -14,22 +14,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from quart import Blueprint, Response, request
 
-from server.api import responses_parse as parse
-from server.api import responses_render as render
 from server.api.collect import collect
 from server.api.errors import ApiError
 from server.api.preflight import read_json, refuse_unsupported
 from server.api.prepare import Prepared, prepare_request, prompt_tokens
 from server.api.respond import current_state, json_response, tenant
-from server.api.responses_stream import ResponsesStream
 from server.api.streaming import streamed_response
 from server.api.trace import Trace
 from server.state import ServerState
 from server.store import ResponseStore, Stored, StoreError
+
+if TYPE_CHECKING:
+    from server.api import responses_parse as parse
+    from server.api import responses_render as render
+    from server.api import responses_stream as stream
+else:  # run at the family's first request, not at every start (see server.api.lazy)
+    from server.api.lazy import lazy_module
+
+    parse = lazy_module("server.api.responses_parse")
+    render = lazy_module("server.api.responses_render")
+    stream = lazy_module("server.api.responses_stream")
 
 responses = Blueprint("responses", __name__)
 logger = logging.getLogger("llama_trio.api")
@@ -58,7 +66,7 @@ async def create() -> Response:
     head = render.head(req, parse.new_id("resp"), prepared.model.id)
     keep = _keeper(state.responses, head["id"], context) if req.stored else None
     if prepared.stream:
-        dialect = ResponsesStream(prepared, head)
+        dialect = stream.ResponsesStream(prepared, head)
 
         async def before_closing() -> None:
             if keep is not None and dialect.final is not None:
