@@ -4,7 +4,7 @@
 - ``llama.cpp.tar.xz``: the pinned llama.cpp tree less what no build of libllama, the CUDA
   backend and llama-server reads (models, docs, tests, the web UI's sources, other backends);
 - ``wheels/``: our runtime dependencies (and ``gguf``) as CPython 3.12 manylinux wheels, at the
-  versions installed here, from PyPI through pip;
+  versions installed here, and setuptools (the binding's build), from PyPI through pip;
 - ``tokenizer.gguf``: the default model's tokenizer and chat template, no weights
   (``bench.random_model``), from which the device makes its random-weight model.
 
@@ -59,6 +59,9 @@ WHEELS = (
     "pydantic", "pydantic-core", "annotated-types", "typing-extensions", "typing-inspection",
     "prometheus-client", "llguidance", "gguf",
 )  # fmt: skip
+# What building the binding needs there, at fixed versions: cffi compiles through setuptools on
+# Python 3.12, which has no distutils, and a Python 3.12 may come without setuptools (pyenv's does).
+BUILD_WHEELS = ("setuptools==80.9.0",)
 # The device's Python 3.12 (glibc 2.35 or newer there): pip matches each manylinux tag exactly.
 _PLATFORMS = (
     *(f"manylinux_2_{n}_x86_64" for n in range(35, 16, -1)),
@@ -103,9 +106,9 @@ def check_against_build(build_dir: pathlib.Path, packed: set[str]) -> list[str]:
 
 
 def download_wheels(target: pathlib.Path) -> list[pathlib.Path]:
-    """CPython 3.12 wheels of ``WHEELS`` at the versions installed here."""
+    """CPython 3.12 wheels of ``WHEELS`` at the versions installed here, and ``BUILD_WHEELS``."""
     target.mkdir(parents=True, exist_ok=True)
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS] + list(BUILD_WHEELS)
     platforms = [arg for p in _PLATFORMS for arg in ("--platform", p)]
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",

@@ -43,6 +43,9 @@ fi
 # 2. Our Python dependencies, from the carried wheels.
 if [[ ! -f $WORK/site/.complete ]]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" "$PAY"/wheels/*.whl
+  # Their bytecode, and ours below, written ahead as `make` does: a start that compiles its
+  # imports (where PYTHONDONTWRITEBYTECODE is set, every start) would be timed for it.
+  "$PY" -m compileall -q -j0 "$WORK/site" >/dev/null || true
   touch "$WORK/site/.complete"
   log "installed $(ls "$PAY"/wheels/*.whl | wc -l) wheels"
 fi
@@ -70,6 +73,7 @@ fi
 build_s=$(cat "$WORK/build-seconds" 2>/dev/null || echo "?")
 log "llama.cpp built: $build_s s of build"
 "$PY" build_ffi.py >>"$OUT/build.log" 2>&1 || { tail -n 40 "$OUT/build.log"; exit 1; }
+"$PY" -m compileall -q ffi server bench
 "$PY" -c "import ffi; print('binding devices:', [(d.name, d.description) for d in ffi.backend.devices()])" | tee -a "$OUT/gpu.log"
 if [[ ${GPU_BUILD_ONLY:-0} == 1 ]]; then
   exit 0
