@@ -96,6 +96,21 @@ def test_objects_whose_properties_meet_others_are_left_open() -> None:
     jsonschema.validate(instance, closed)
 
 
+def test_a_chain_of_refs_is_left_open_along_all_of_its_length() -> None:
+    # d0 meets d1's properties through its $ref, d1 is d2's, and so on: every definition along
+    # the chain stays open, however long (each merge walks only the part it changes).
+    n = 5000
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs["d0"] = {"type": "object", "properties": {"a": {"type": "string"}}, "$ref": "#/$defs/d1"}
+    defs[f"d{n}"] = {"type": "object", "properties": {"b": {"type": "string"}}}
+    defs["apart"] = {"type": "object", "properties": {"c": {"type": "string"}}}
+    closed = closed_objects({"$defs": defs, "$ref": "#/$defs/d0"})
+    assert (
+        "additionalProperties" not in closed["$defs"][f"d{n}"] and "additionalProperties" not in closed["$defs"]["d0"]
+    )
+    assert closed["$defs"]["apart"]["additionalProperties"] is False  # off the chain: closed
+
+
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_closing_changes_nothing_where_the_schema_already_says(name: str) -> None:
     assert closed_objects(SCHEMAS[name]) == SCHEMAS[name]

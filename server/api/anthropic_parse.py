@@ -201,7 +201,7 @@ def _system(system: str | list[dict[str, Any]] | None) -> str:
 
 def _block(raw: dict[str, Any], param: str, kinds: set[str]) -> BaseModel:
     kind = raw.get("type")
-    if kind not in kinds:
+    if not isinstance(kind, str) or kind not in kinds:
         allowed = ", ".join(sorted(kinds))
         message = f"{param}: content blocks of type {kind!r} are not supported here ({allowed} are)"
         raise ApiError(400, message, param=f"{param}.type", code="unsupported_parameter")

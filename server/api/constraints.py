@@ -19,7 +19,7 @@ from server.api.errors import ApiError
 from server.api.json_bounds import JSON_OBJECT, closed_objects
 from server.engine import EngineError
 from server.engine.grammar import Grammar, GrammarError, GrammarKind
-from server.engine.grammar_limits import TooComplex, check_schema_text
+from server.engine.grammar_limits import TooComplex, check_schema, check_schema_text
 from server.models.runtime import ModelRuntime
 
 # A function without parameters takes an empty object.
@@ -143,7 +143,7 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
     form = req.response_format
     if form is not None and form.type == "json_object":
         if form.object_schema is not None:  # llama-server's form: the object's own schema
-            closed = closed_objects(form.object_schema)
+            closed = _closed(form.object_schema, "response_format.schema")
             specs.append(("json_schema", _compact(closed), "response_format.schema"))
         else:
             specs.append(("json_schema", _compact(JSON_OBJECT), "response_format"))
@@ -151,10 +151,10 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
         if form.json_schema is None or form.json_schema.json_schema is None:
             param = "response_format.json_schema" + (".schema" if form.json_schema is not None else "")
             raise ApiError(400, f"{param} is required for type json_schema", param=param, code="invalid_value")
-        closed = closed_objects(form.json_schema.json_schema)
+        closed = _closed(form.json_schema.json_schema, "response_format.json_schema.schema")
         specs.append(("json_schema", _compact(closed), "response_format.json_schema.schema"))
     if req.json_schema is not None:
-        specs.append(("json_schema", _compact(closed_objects(req.json_schema)), "json_schema"))
+        specs.append(("json_schema", _compact(_closed(req.json_schema, "json_schema")), "json_schema"))
     if req.grammar is not None:
         specs.append(("gbnf", req.grammar, "grammar"))
     if use is not None and use.constrained:
@@ -163,7 +163,10 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
         calls_only = choice is not None and choice != "auto"
         parallel = req.parallel_tool_calls is not False and not isinstance(choice, schema.NamedToolChoice)
         # The instruction shows the tools' parameters as given; the grammar closes their objects.
-        given = [dataclasses.replace(s, parameters=closed_objects(s.parameters)) for s in _specs(req)]
+        given = [
+            dataclasses.replace(s, parameters=_closed(s.parameters, f"tools[{i}].function.parameters"))
+            for i, s in enumerate(_specs(req))
+        ]
         if use.native:
             specs.append(("lark", tools.native_grammar(given, calls_only=calls_only, parallel=parallel), "tools"))
         else:
@@ -174,6 +177,17 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
         message = f"give one output constraint, not several ({names})"
         raise ApiError(400, message, param=specs[1][2], code="invalid_value")
     return specs[0] if specs else None
+
+
+def _closed(value: Any, param: str) -> Any:
+    """The schema ``value`` with its objects closed (``closed_objects``), checked first against
+    the bounds of ``grammar_limits`` (a 400 naming ``param``): closing walks it on the event
+    loop, and the bounds keep that walk short (10,000 subschemas, 128 deep)."""
+    try:
+        check_schema(value)
+    except TooComplex as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+    return closed_objects(value)
 
 
 def _compact(value: Any) -> str:

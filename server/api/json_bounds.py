@@ -52,20 +52,30 @@ def closed_objects(schema: Any) -> Any:
     """``schema`` with its objects closed as the module says (a new value; the one given is
     left alone)."""
     merged: set[str] = set()
-    while True:  # a merged definition may name another through its own $ref
-        found: set[str] = set()
-        _walk(schema, "#", True, merged, found)
-        if found <= merged:
-            break
-        merged |= found
-    return _walk(schema, "#", True, merged, set())
+    found: set[str] = set()
+    nodes: dict[str, Any] = {}  # every schema the walk visits, by its path
+    _walk(schema, "#", True, merged, found, nodes)
+    # A merged definition may name another through its own $ref. Merging a path changes only
+    # what is at and below it, so only that part is walked again: linear in a chain of $refs
+    # (walking all of it again after each merge was quadratic: seconds on the event loop).
+    pending = found - merged
+    while pending:
+        merged |= pending
+        found = set()
+        for ref in pending:
+            if ref in nodes:
+                _walk(nodes[ref], ref, False, merged, found, {})
+        pending = found - merged
+    return _walk(schema, "#", True, merged, set(), {})
 
 
-def _walk(node: Any, path: str, closable: bool, merged: set[str], found: set[str]) -> Any:
+def _walk(node: Any, path: str, closable: bool, merged: set[str], found: set[str], nodes: dict[str, Any]) -> Any:
     """``node`` (at JSON pointer ``path``) closed where it may be; ``closable``: its properties
-    meet no others'. Adds to ``found`` the ``$ref`` targets whose properties meet others'."""
+    meet no others'. Adds to ``found`` the ``$ref`` targets whose properties meet others', and
+    to ``nodes`` each schema it visits."""
     if not isinstance(node, dict):
         return node
+    nodes[path] = node
     closable = closable and path not in merged
     declares = isinstance(node.get("properties"), dict)
     out = dict(node)
@@ -78,16 +88,17 @@ def _walk(node: Any, path: str, closable: bool, merged: set[str], found: set[str
         value = node.get(key)
         if isinstance(value, dict):
             out[key] = {
-                name: _walk(sub, f"{path}/{key}/{_escape(name)}", True, merged, found) for name, sub in value.items()
+                name: _walk(sub, f"{path}/{key}/{_escape(name)}", True, merged, found, nodes)
+                for name, sub in value.items()
             }
     for key in _ONE:
         if isinstance(node.get(key), dict):
-            out[key] = _walk(node[key], f"{path}/{key}", True, merged, found)
+            out[key] = _walk(node[key], f"{path}/{key}", True, merged, found, nodes)
     for key in _LIST:
         value = node.get(key)
         if isinstance(value, list):
             members = key not in _COMBINATORS or _members_closable(node, key)
-            out[key] = [_walk(sub, f"{path}/{key}/{i}", members, merged, found) for i, sub in enumerate(value)]
+            out[key] = [_walk(sub, f"{path}/{key}/{i}", members, merged, found, nodes) for i, sub in enumerate(value)]
     return out
 
 

@@ -37,6 +37,9 @@ INLINE_BODY_BYTES = 32 * 1024
 INLINE_WORK_CHARS = 2_048
 CHARS_PER_MESSAGE = 32
 MAX_PARAM_NAME = 64  # an unknown field's name, as echoed back in an error
+# Objects and arrays nested in one another: far past any API's need (a schema's own bound is 128
+# levels), and far inside the recursion that the event loop's thread allows what walks a body.
+MAX_BODY_DEPTH = 256
 # A UTF-16 surrogate left in a parsed string: JSON's "\ud800" escape without its pair (a valid
 # pair is joined into one character by the parser), which is not Unicode text.
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -72,14 +75,14 @@ async def read_object() -> dict[str, Any]:
 def _object(raw: str | bytes) -> dict[str, Any]:
     try:
         payload = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
+    except ValueError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        message = f"request body is nested too deeply (more than {MAX_BODY_DEPTH} levels)"
+        raise ApiError(400, message, code="invalid_json") from None
     if not isinstance(payload, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    where = _lone_surrogate(payload)
-    if where is not None:
-        message = f"{where}: the text contains a lone UTF-16 surrogate (invalid Unicode)"
-        raise ApiError(400, message, param=where[:MAX_PARAM_NAME], code="invalid_value")
+    _check_values(payload)
     return payload
 
 
@@ -102,27 +105,35 @@ def validate(model: type[M], payload: Any, at: str = "") -> M:
         raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
 
 
-def _lone_surrogate(payload: dict[str, Any]) -> str | None:
-    """Where the first string (or object key) of ``payload`` holds a lone surrogate, as a
-    field path (``messages[0].content``), or None: every text field of every route is checked
-    here, before any of it is used."""
-    stack: list[tuple[Any, str]] = [(payload, "")]
+def _check_values(payload: dict[str, Any]) -> None:
+    """Refuse (400) a body whose containers nest past ``MAX_BODY_DEPTH``, or with a string (or
+    object key) holding a lone surrogate, named by its field path (``messages[0].content``):
+    every field of every route is checked here, before any of it is used. A body parsed in a
+    worker thread (a fresh stack) can nest deeper than the event loop's recursion allows, so
+    the depth bound keeps every recursive walk after it (schemas, ``json.dumps``) in bounds."""
+    stack: list[tuple[Any, str, int]] = [(payload, "", 1)]
     while stack:
-        value, path = stack.pop()
+        value, path, depth = stack.pop()
         if isinstance(value, str):
             if not value.isascii() and _SURROGATE.search(value):
-                return path
+                message = f"{path}: the text contains a lone UTF-16 surrogate (invalid Unicode)"
+                raise ApiError(400, message, param=path[:MAX_PARAM_NAME], code="invalid_value")
             continue
+        if depth > MAX_BODY_DEPTH:
+            message = (
+                f"request body is nested too deeply (more than {MAX_BODY_DEPTH} levels, at {path[:MAX_PARAM_NAME]})"
+            )
+            raise ApiError(400, message, code="invalid_json")
         items = value.items() if isinstance(value, dict) else enumerate(value)
         children = []
         for key, child in items:
             step = _step(path, key)
             if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
-                return step
+                message = f"{step}: the text contains a lone UTF-16 surrogate (invalid Unicode)"
+                raise ApiError(400, message, param=step[:MAX_PARAM_NAME], code="invalid_value")
             if isinstance(child, str | dict | list):
-                children.append((child, step))
+                children.append((child, step, depth + 1))
         stack.extend(reversed(children))
-    return None
 
 
 def _step(path: str, key: str | int) -> str:

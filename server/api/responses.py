@@ -172,7 +172,7 @@ async def list_input_items(id_: str) -> Response:
     if order not in ("asc", "desc"):
         raise ApiError(400, "order must be 'asc' or 'desc'", param="order", code="invalid_value")
     limit_text = args.get("limit", str(DEFAULT_LIST_LIMIT))
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_LIST_LIMIT:
+    if not (limit_text.isascii() and limit_text.isdigit()) or not 1 <= int(limit_text) <= MAX_LIST_LIMIT:
         message = f"limit must be an integer from 1 to {MAX_LIST_LIMIT}"
         raise ApiError(400, message, param="limit", code="invalid_value")
     items = (await _find(id_)).context

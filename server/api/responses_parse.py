@@ -168,7 +168,7 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     items = []
     for i, raw in enumerate(req.input):
         kind = raw.get("type", "message")
-        if kind not in _ITEMS:
+        if not isinstance(kind, str) or kind not in _ITEMS:
             message = (
                 f"input items of type {kind!r} are not supported; message, function_call and function_call_output are"
             )

@@ -143,9 +143,11 @@ def _name_of(message: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _json_or_text(arguments: str) -> Any:
+    """A call's ``arguments`` as JSON for the template, or as the text given when that text is
+    not JSON (or is nested past what the parser's recursion allows: a short string can be)."""
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
 
 

@@ -132,10 +132,10 @@ class _Budget:
     optional: int = 0
 
 
-def check_schema(schema: Any, budget: _Budget) -> None:
+def check_schema(schema: Any, budget: _Budget | None = None) -> None:
     """Walk ``schema`` once (each ``$ref`` target once, however often it is referred to) and
     raise ``TooComplex`` at the first bound it passes."""
-    _Walk(schema, budget).height(schema, "#", 1)
+    _Walk(schema, budget or _Budget()).height(schema, "#", 1)
 
 
 # Where a schema sits, as a JSON pointer made only when an error names it: (parent, step) pairs.
@@ -266,7 +266,13 @@ class _References:
                 part = part.replace("~1", "/").replace("~0", "~")
                 if isinstance(target, dict) and part in target:
                     target = target[part]
-                elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                elif (
+                    isinstance(target, list)
+                    and part.isascii()
+                    and part.isdigit()
+                    and len(part) < 10
+                    and int(part) < len(target)
+                ):
                     target = target[int(part)]
                 else:
                     return None
