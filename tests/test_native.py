@@ -114,6 +114,16 @@ def test_tokenize_pieces_and_special_tokens(server: ServerProcess) -> None:
     assert tokenize(server, [*hello, " world"]) == hello + tokenize(server, " world")
 
 
+@pytest.mark.parametrize("content", [[{"a": 1}], [None], [[]], ["a", 5.0], [True], ["a", 10**9], [-1]])
+@pytest.mark.parametrize("with_pieces", [False, True])
+def test_tokenize_refuses_what_is_not_a_token_id_or_text(
+    server: ServerProcess, content: list, with_pieces: bool
+) -> None:
+    """Found by review: other items (a float among them) were a 500, or 5.0 taken as an id."""
+    error = native_error(post(server, "/tokenize", {"content": content, "with_pieces": with_pieces}), 400)
+    assert "content" in error["message"] or "vocabulary" in error["message"]
+
+
 def test_detokenize_refuses_ids_outside_the_vocabulary(server: ServerProcess) -> None:
     native_error(post(server, "/detokenize", {"tokens": [1, 10**9]}), 400)
     native_error(post(server, "/detokenize", {"tokens": "abc"}), 400)

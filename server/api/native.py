@@ -214,17 +214,19 @@ def _one(value: Any, vocab: native_schema.Tokenizer, where: str) -> list[int]:
     raise native_schema.NativeError("a prompt is a string, token ids, or {'prompt_string': ...}", where)
 
 
-def _mixed(value: list[int | str], vocab: native_schema.Tokenizer) -> list[int]:
+def _mixed(value: list[Any], vocab: native_schema.Tokenizer, param: str = "prompt") -> list[int]:
     """Token ids and text in one sequence; the text parsed for special tokens, BOS only when
-    the sequence starts with text (as llama-server's ``tokenize_mixed``)."""
+    the sequence starts with text (as llama-server's ``tokenize_mixed``). Anything else in it
+    (a float, a bool, null, a list, an object) or an id outside the vocabulary is a
+    ``NativeError`` naming ``param``."""
     tokens: list[int] = []
     for i, part in enumerate(value):
         if isinstance(part, str):
             tokens += vocab.tokenize(part, add_special=i == 0, parse_special=True)
-        elif isinstance(part, bool) or not 0 <= part < vocab.n_tokens:
-            raise native_schema.NativeError(
-                f"token {part} is not in the vocabulary ({vocab.n_tokens} tokens)", "prompt"
-            )
+        elif isinstance(part, bool) or not isinstance(part, int):
+            raise native_schema.NativeError(f"{param} holds token ids and strings only, not {part!r:.40}", param)
+        elif not 0 <= part < vocab.n_tokens:
+            raise native_schema.NativeError(f"token {part} is not in the vocabulary ({vocab.n_tokens} tokens)", param)
         else:
             tokens.append(part)
     return tokens
@@ -281,10 +283,13 @@ async def _tokenize(vocab: ffi.Vocab, body: dict[str, Any]) -> Response:
     def run() -> list[int]:
         if isinstance(content, str):
             return vocab.tokenize(content, add_special=add_special, parse_special=parse_special)
-        return _mixed(content, vocab) if add_special else _mixed(["", *content], vocab)
+        return _mixed(content if add_special else ["", *content], vocab, "content")
 
-    with tokenizing("content"):
-        tokens = await off_loop(len(str(content)), run)
+    try:
+        with tokenizing("content"):
+            tokens = await off_loop(len(str(content)), run)
+    except native_schema.NativeError as exc:
+        raise _bad(exc) from None
     if not with_pieces:
         return json_response({"tokens": tokens})
     pieces = []
