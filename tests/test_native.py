@@ -244,6 +244,18 @@ def test_logit_bias_forms(server: ServerProcess) -> None:
         assert other != first, bias
 
 
+@pytest.mark.parametrize("samplers", [5, 0, -1, 1.5, True, [{"a": 1}], [[]]])
+def test_samplers_of_another_type_are_a_400(server: ServerProcess, samplers: object) -> None:
+    error = native_error(post(server, "/completion", {"prompt": "hi", "n_predict": 1, "samplers": samplers}), 400)
+    assert "samplers" in error["message"]
+
+
+def test_logit_bias_id_of_many_digits_is_outside_the_vocabulary(server: ServerProcess) -> None:
+    """Found by review: int() of 5000 digits raised (a 500); it is skipped as any unknown id."""
+    body = {"prompt": "hi", "n_predict": 2, "logit_bias": [["9" * 5000, 1]]}
+    assert post(server, "/completion", body).status_code == 200
+
+
 def test_refused_and_neutral_fields(server: ServerProcess) -> None:
     body = {"prompt": PROMPT, "n_predict": 1}
     for field, value in [("mirostat", 2), ("typical_p", 0.5), ("id_slot", 9), ("post_sampling_probs", True)]:

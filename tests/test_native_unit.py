@@ -84,12 +84,22 @@ def test_fields_refused_unless_off(body: dict, refused: str | None) -> None:
     assert native_schema.refused_field(body, native_schema.COMPLETION_FIELDS) == refused
 
 
+@pytest.mark.parametrize("samplers", [5, 0, -1, 1.5, True, [{"a": 1}], [[]], ["top_k", 3], {"top_k": 1}])
+def test_samplers_of_another_type_are_refused(samplers: object) -> None:
+    """Found by review: these were a 500 (iterating a number, hashing a list)."""
+    with pytest.raises(native_schema.NativeError) as caught:
+        native_schema.refused_field({"samplers": samplers}, native_schema.COMPLETION_FIELDS)
+    assert caught.value.param == "samplers"
+
+
 def test_logit_bias_forms() -> None:
     vocab = FakeVocab()
     assert native_schema.logit_bias([[65, 1.5], ["7", -2]], vocab) == {"65": 1.5, "7": -2.0}
     assert native_schema.logit_bias({"66": False}, vocab) == {"66": -math.inf}
     assert native_schema.logit_bias([["ab", -100]], vocab) == {"97": -100.0, "98": -100.0}
     assert native_schema.logit_bias([[5000, 1]], vocab) is None  # outside the vocabulary: skipped
+    assert native_schema.logit_bias([["9" * 5000, 1]], vocab) is None  # more digits than int() takes: skipped too
+    assert native_schema.logit_bias([["0" * 5000 + "7", 1]], vocab) == {"7": 1.0}
     assert native_schema.logit_bias(None, vocab, ignore_eos=True) == {"0": -math.inf, "1": -math.inf}
     for bad in ([[1]], [[1, "x"]], "x", [[None, 1]], [[1, math.nan]]):
         with pytest.raises(native_schema.NativeError):
