@@ -4,7 +4,9 @@ counts, round trips and effects; never the text a sampled or near-tie greedy ans
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import stat
 import threading
 
 import httpx
@@ -501,6 +503,32 @@ def test_slot_files_are_checked(configured: ServerProcess, slot_folder: pathlib.
     (slot_folder / "link.bin").symlink_to(slot_folder / "good.bin")
     native_error(post(configured, "/slots/0?action=restore", {"filename": "link.bin"}), 400)
     assert post(configured, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200
+    assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+@pytest.mark.parametrize("length", [238, 255])
+def test_slot_file_names_of_any_accepted_length(configured: ServerProcess, length: int) -> None:
+    """Found by review: a name of 238 to 255 characters was a 500 (its temporary name too long)."""
+    post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
+    filename = "L" * length
+    saved = post(configured, "/slots/0?action=save", {"filename": filename})
+    assert saved.status_code == 200, saved.text
+    restored = post(configured, "/slots/0?action=restore", {"filename": filename})
+    assert restored.status_code == 200 and restored.json()["n_read"] == saved.json()["n_written"]
+
+
+def test_slot_entries_that_are_not_files(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
+    """Found by review: a directory was a 500, and a FIFO held its request (and a worker thread)
+    for ever. Both are refused at once, and neither is replaced by a save."""
+    (slot_folder / "dir.bin").mkdir()
+    os.mkfifo(slot_folder / "fifo.bin")
+    post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
+    for name in ("dir.bin", "fifo.bin"):
+        error = native_error(post(configured, "/slots/0?action=restore", {"filename": name}, timeout=60), 400)
+        assert "regular file" in error["message"]
+        error = native_error(post(configured, "/slots/0?action=save", {"filename": name}, timeout=60), 409)
+        assert "regular file" in error["message"]
+    assert (slot_folder / "dir.bin").is_dir() and stat.S_ISFIFO((slot_folder / "fifo.bin").lstat().st_mode)
     assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 

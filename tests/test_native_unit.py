@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import stat
 
 import pytest
 
@@ -188,6 +190,34 @@ def test_slot_file_round_trip(tmp_path) -> None:
         with pytest.raises(slot_file.SlotFileError):
             slot_file.decode(bad, "fp_1", "a:")
     assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
+
+
+@pytest.mark.parametrize("length", [237, 238, 255])
+def test_slot_file_names_of_any_accepted_length(tmp_path, length: int) -> None:
+    """Found by review: the temporary name added 18 characters to the target's, past NAME_MAX."""
+    path = str(tmp_path / ("n" * length))
+    written = slot_file.write(path, "fp_1", "a:", [1, 2], b"state")
+    assert slot_file.read(path, "fp_1", "a:")[2] == written
+    assert [p.name for p in tmp_path.iterdir()] == ["n" * length]
+
+
+def test_slot_file_refuses_what_is_not_a_regular_file(tmp_path) -> None:
+    """Found by review: a directory was a 500, and opening a FIFO blocked its thread for ever."""
+    (tmp_path / "dir.bin").mkdir()
+    os.mkfifo(tmp_path / "fifo.bin")
+    for name in ("dir.bin", "fifo.bin"):
+        path = str(tmp_path / name)
+        with pytest.raises(slot_file.SlotFileError, match="not a regular file"):
+            slot_file.read(path, "fp_1", "a:")
+        with pytest.raises(slot_file.SlotFileError, match="not a regular file"):
+            slot_file.write(path, "fp_1", "a:", [1], b"x")
+    assert (tmp_path / "dir.bin").is_dir() and stat.S_ISFIFO((tmp_path / "fifo.bin").lstat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.bin", "fifo.bin"]  # no temporary file left
+
+
+def test_slot_file_storage_failure_is_its_own_error(tmp_path) -> None:
+    with pytest.raises(slot_file.StorageError, match="cannot be written"):
+        slot_file.write(str(tmp_path / "gone" / "s.bin"), "fp_1", "a:", [1], b"x")
 
 
 def test_slot_op_refusals() -> None:
