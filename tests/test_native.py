@@ -126,6 +126,25 @@ def test_tokenize_refuses_what_is_not_a_token_id_or_text(
     assert "content" in error["message"] or "vocabulary" in error["message"]
 
 
+@pytest.mark.parametrize("path", ["/completion", "/tokenize", "/infill", "/slots/0"])
+def test_transport_errors_in_llama_servers_shape(server: ServerProcess, path: str) -> None:
+    """Found by review: a 413 or a 405 on a native route came in OpenAI's shape."""
+    too_large = httpx.post(server.url + path, content=b"{" + b" " * (4 * 1024 * 1024), timeout=60)
+    assert "larger than" in native_error(too_large, 413)["message"]
+    assert too_large.headers["connection"] == "close"
+    wrong_method = httpx.get(server.url + path, timeout=60)
+    assert f"GET is not allowed on {path}" == native_error(wrong_method, 405)["message"]
+    assert wrong_method.headers["allow"] == "POST"
+    assert native_error(httpx.delete(server.url + "/props", timeout=60), 405)
+    assert httpx.delete(server.url + "/props", timeout=60).headers["allow"] == "GET, POST"
+    assert native_error(httpx.post(server.url + "/slots", json={}, timeout=60), 405)
+    # The OpenAI routes keep their own shape, and the native routes still answer.
+    openai_shape = httpx.get(server.url + "/v1/chat/completions", timeout=60)
+    assert openai_shape.status_code == 405 and set(openai_shape.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server.url + "/props", timeout=60).status_code == 200
+    assert post(server, "/tokenize", {"content": "hi"}).status_code == 200
+
+
 def test_detokenize_refuses_ids_outside_the_vocabulary(server: ServerProcess) -> None:
     native_error(post(server, "/detokenize", {"tokens": [1, 10**9]}), 400)
     native_error(post(server, "/detokenize", {"tokens": "abc"}), 400)
@@ -559,7 +578,7 @@ def test_slots_stay_within_a_tenant(tmp_path: pathlib.Path) -> None:
         native_error(as_("bob", "/slots/0?action=save", {"filename": "alice.bin"}), 409)
         assert as_("alice", "/slots/0?action=restore", {"filename": "alice.bin"}).status_code == 200
         anonymous = httpx.post(server.url + "/slots/0?action=erase", json={})
-        assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
+        native_error(anonymous, 401, "authentication_error")  # before the route, in its shape too
 
 
 def test_native_routes_name_their_model(tmp_path: pathlib.Path, model_path: pathlib.Path) -> None:
