@@ -4,7 +4,9 @@ counts, round trips and effects; never the text a sampled or near-tie greedy ans
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import stat
 import threading
 
 import httpx
@@ -112,6 +114,35 @@ def test_tokenize_pieces_and_special_tokens(server: ServerProcess) -> None:
     # Token ids and text in one sequence.
     hello = tokenize(server, "hello")
     assert tokenize(server, [*hello, " world"]) == hello + tokenize(server, " world")
+
+
+@pytest.mark.parametrize("content", [[{"a": 1}], [None], [[]], ["a", 5.0], [True], ["a", 10**9], [-1]])
+@pytest.mark.parametrize("with_pieces", [False, True])
+def test_tokenize_refuses_what_is_not_a_token_id_or_text(
+    server: ServerProcess, content: list, with_pieces: bool
+) -> None:
+    """Found by review: other items (a float among them) were a 500, or 5.0 taken as an id."""
+    error = native_error(post(server, "/tokenize", {"content": content, "with_pieces": with_pieces}), 400)
+    assert "content" in error["message"] or "vocabulary" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/completion", "/tokenize", "/infill", "/slots/0"])
+def test_transport_errors_in_llama_servers_shape(server: ServerProcess, path: str) -> None:
+    """Found by review: a 413 or a 405 on a native route came in OpenAI's shape."""
+    too_large = httpx.post(server.url + path, content=b"{" + b" " * (4 * 1024 * 1024), timeout=60)
+    assert "larger than" in native_error(too_large, 413)["message"]
+    assert too_large.headers["connection"] == "close"
+    wrong_method = httpx.get(server.url + path, timeout=60)
+    assert f"GET is not allowed on {path}" == native_error(wrong_method, 405)["message"]
+    assert wrong_method.headers["allow"] == "POST"
+    assert native_error(httpx.delete(server.url + "/props", timeout=60), 405)
+    assert httpx.delete(server.url + "/props", timeout=60).headers["allow"] == "GET, POST"
+    assert native_error(httpx.post(server.url + "/slots", json={}, timeout=60), 405)
+    # The OpenAI routes keep their own shape, and the native routes still answer.
+    openai_shape = httpx.get(server.url + "/v1/chat/completions", timeout=60)
+    assert openai_shape.status_code == 405 and set(openai_shape.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(server.url + "/props", timeout=60).status_code == 200
+    assert post(server, "/tokenize", {"content": "hi"}).status_code == 200
 
 
 def test_detokenize_refuses_ids_outside_the_vocabulary(server: ServerProcess) -> None:
@@ -232,6 +263,18 @@ def test_logit_bias_forms(server: ServerProcess) -> None:
     for bias in ([[first, False]], {str(first): -100}, [[text, -100]]):
         (other,) = post(server, "/completion", {**body, "logit_bias": bias}).json()["tokens"]
         assert other != first, bias
+
+
+@pytest.mark.parametrize("samplers", [5, 0, -1, 1.5, True, [{"a": 1}], [[]]])
+def test_samplers_of_another_type_are_a_400(server: ServerProcess, samplers: object) -> None:
+    error = native_error(post(server, "/completion", {"prompt": "hi", "n_predict": 1, "samplers": samplers}), 400)
+    assert "samplers" in error["message"]
+
+
+def test_logit_bias_id_of_many_digits_is_outside_the_vocabulary(server: ServerProcess) -> None:
+    """Found by review: int() of 5000 digits raised (a 500); it is skipped as any unknown id."""
+    body = {"prompt": "hi", "n_predict": 2, "logit_bias": [["9" * 5000, 1]]}
+    assert post(server, "/completion", body).status_code == 200
 
 
 def test_refused_and_neutral_fields(server: ServerProcess) -> None:
@@ -482,6 +525,32 @@ def test_slot_files_are_checked(configured: ServerProcess, slot_folder: pathlib.
     assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
+@pytest.mark.parametrize("length", [238, 255])
+def test_slot_file_names_of_any_accepted_length(configured: ServerProcess, length: int) -> None:
+    """Found by review: a name of 238 to 255 characters was a 500 (its temporary name too long)."""
+    post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
+    filename = "L" * length
+    saved = post(configured, "/slots/0?action=save", {"filename": filename})
+    assert saved.status_code == 200, saved.text
+    restored = post(configured, "/slots/0?action=restore", {"filename": filename})
+    assert restored.status_code == 200 and restored.json()["n_read"] == saved.json()["n_written"]
+
+
+def test_slot_entries_that_are_not_files(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
+    """Found by review: a directory was a 500, and a FIFO held its request (and a worker thread)
+    for ever. Both are refused at once, and neither is replaced by a save."""
+    (slot_folder / "dir.bin").mkdir()
+    os.mkfifo(slot_folder / "fifo.bin")
+    post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
+    for name in ("dir.bin", "fifo.bin"):
+        error = native_error(post(configured, "/slots/0?action=restore", {"filename": name}, timeout=60), 400)
+        assert "regular file" in error["message"]
+        error = native_error(post(configured, "/slots/0?action=save", {"filename": name}, timeout=60), 409)
+        assert "regular file" in error["message"]
+    assert (slot_folder / "dir.bin").is_dir() and stat.S_ISFIFO((slot_folder / "fifo.bin").lstat().st_mode)
+    assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
 def test_busy_slot_is_a_409(configured: ServerProcess) -> None:
     body = {"prompt": PROMPT, "n_predict": 300, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", configured.url + "/completion", json=body, timeout=120) as response:
@@ -509,7 +578,7 @@ def test_slots_stay_within_a_tenant(tmp_path: pathlib.Path) -> None:
         native_error(as_("bob", "/slots/0?action=save", {"filename": "alice.bin"}), 409)
         assert as_("alice", "/slots/0?action=restore", {"filename": "alice.bin"}).status_code == 200
         anonymous = httpx.post(server.url + "/slots/0?action=erase", json={})
-        assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
+        native_error(anonymous, 401, "authentication_error")  # before the route, in its shape too
 
 
 def test_native_routes_name_their_model(tmp_path: pathlib.Path, model_path: pathlib.Path) -> None:

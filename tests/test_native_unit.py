@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import stat
 
 import pytest
 
@@ -84,12 +86,22 @@ def test_fields_refused_unless_off(body: dict, refused: str | None) -> None:
     assert native_schema.refused_field(body, native_schema.COMPLETION_FIELDS) == refused
 
 
+@pytest.mark.parametrize("samplers", [5, 0, -1, 1.5, True, [{"a": 1}], [[]], ["top_k", 3], {"top_k": 1}])
+def test_samplers_of_another_type_are_refused(samplers: object) -> None:
+    """Found by review: these were a 500 (iterating a number, hashing a list)."""
+    with pytest.raises(native_schema.NativeError) as caught:
+        native_schema.refused_field({"samplers": samplers}, native_schema.COMPLETION_FIELDS)
+    assert caught.value.param == "samplers"
+
+
 def test_logit_bias_forms() -> None:
     vocab = FakeVocab()
     assert native_schema.logit_bias([[65, 1.5], ["7", -2]], vocab) == {"65": 1.5, "7": -2.0}
     assert native_schema.logit_bias({"66": False}, vocab) == {"66": -math.inf}
     assert native_schema.logit_bias([["ab", -100]], vocab) == {"97": -100.0, "98": -100.0}
     assert native_schema.logit_bias([[5000, 1]], vocab) is None  # outside the vocabulary: skipped
+    assert native_schema.logit_bias([["9" * 5000, 1]], vocab) is None  # more digits than int() takes: skipped too
+    assert native_schema.logit_bias([["0" * 5000 + "7", 1]], vocab) == {"7": 1.0}
     assert native_schema.logit_bias(None, vocab, ignore_eos=True) == {"0": -math.inf, "1": -math.inf}
     for bad in ([[1]], [[1, "x"]], "x", [[None, 1]], [[1, math.nan]]):
         with pytest.raises(native_schema.NativeError):
@@ -178,6 +190,34 @@ def test_slot_file_round_trip(tmp_path) -> None:
         with pytest.raises(slot_file.SlotFileError):
             slot_file.decode(bad, "fp_1", "a:")
     assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
+
+
+@pytest.mark.parametrize("length", [237, 238, 255])
+def test_slot_file_names_of_any_accepted_length(tmp_path, length: int) -> None:
+    """Found by review: the temporary name added 18 characters to the target's, past NAME_MAX."""
+    path = str(tmp_path / ("n" * length))
+    written = slot_file.write(path, "fp_1", "a:", [1, 2], b"state")
+    assert slot_file.read(path, "fp_1", "a:")[2] == written
+    assert [p.name for p in tmp_path.iterdir()] == ["n" * length]
+
+
+def test_slot_file_refuses_what_is_not_a_regular_file(tmp_path) -> None:
+    """Found by review: a directory was a 500, and opening a FIFO blocked its thread for ever."""
+    (tmp_path / "dir.bin").mkdir()
+    os.mkfifo(tmp_path / "fifo.bin")
+    for name in ("dir.bin", "fifo.bin"):
+        path = str(tmp_path / name)
+        with pytest.raises(slot_file.SlotFileError, match="not a regular file"):
+            slot_file.read(path, "fp_1", "a:")
+        with pytest.raises(slot_file.SlotFileError, match="not a regular file"):
+            slot_file.write(path, "fp_1", "a:", [1], b"x")
+    assert (tmp_path / "dir.bin").is_dir() and stat.S_ISFIFO((tmp_path / "fifo.bin").lstat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.bin", "fifo.bin"]  # no temporary file left
+
+
+def test_slot_file_storage_failure_is_its_own_error(tmp_path) -> None:
+    with pytest.raises(slot_file.StorageError, match="cannot be written"):
+        slot_file.write(str(tmp_path / "gone" / "s.bin"), "fp_1", "a:", [1], b"x")
 
 
 def test_slot_op_refusals() -> None:

@@ -10,16 +10,16 @@ llama-server's shape (``{"error": {"code", "message", "type"}}``).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable
-from typing import Any, ParamSpec
+from typing import Any
 
 from quart import Blueprint, Response, request
+from werkzeug.exceptions import MethodNotAllowed
 
 import ffi
 from server.api import native_render, native_schema, schema
 from server.api.collect import collect
 from server.api.errors import ApiError
+from server.api.middleware import as_api_error
 from server.api.native_infill import Fim, extra_chunks, infill_tokens
 from server.api.native_slots import slot_action, slots_list
 from server.api.native_stream import NativeStream, StreamContext
@@ -33,7 +33,6 @@ from server.models.registry import Lease
 from server.state import ServerState
 
 native = Blueprint("native", __name__)
-P = ParamSpec("P")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -56,31 +55,21 @@ class NativeApiError(ApiError):
 def error_body(error: ApiError) -> dict[str, Any]:
     """``error`` as llama-server writes it; a context overflow is its own type, with
     ``n_prompt_tokens`` and ``n_ctx``."""
-    type_ = _TYPES.get(error.status, "server_error")
+    type_ = _TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "server_error")
     if error.code == "context_length_exceeded":
         type_ = "exceed_context_size_error"
     return {"error": {"code": error.status, "message": error.message, "type": type_, **error.extra}}
 
 
-def native_errors(route: Callable[P, Awaitable[Response]]) -> Callable[P, Awaitable[Response]]:
-    """Answer the route's ``ApiError`` (its own, or from the shared checks) in llama-server's shape."""
-
-    @functools.wraps(route)
-    async def wrapped(*args: P.args, **kwargs: P.kwargs) -> Response:
-        try:
-            return await route(*args, **kwargs)
-        except NativeApiError:
-            raise
-        except ApiError as exc:
-            raise _native(exc) from None
-
-    return wrapped
-
-
-def _native(exc: ApiError) -> NativeApiError:
-    return NativeApiError(
-        exc.status, exc.message, type_=exc.type, param=exc.param, code=exc.code, headers=exc.headers, extra=exc.extra
-    )
+@native.errorhandler(Exception)
+async def native_error(exc: Exception) -> Response:
+    """Whatever a route here raised (an ``ApiError``, its own or from the shared checks; an HTTP
+    error such as 413 or 405; a bug's 500), in llama-server's shape, with the same status and
+    headers as elsewhere."""
+    error = as_api_error(exc, current_state().settings.max_body)
+    response = json_response(error_body(error), error.status)
+    response.headers.update(error.headers)
+    return response
 
 
 def _bad(exc: native_schema.NativeError) -> NativeApiError:
@@ -89,13 +78,11 @@ def _bad(exc: native_schema.NativeError) -> NativeApiError:
 
 @native.post("/completion")
 @native.post("/completions")
-@native_errors
 async def completion() -> Response:
     return await _complete(current_state(), infill=False)
 
 
 @native.post("/infill")
-@native_errors
 async def infill() -> Response:
     return await _complete(current_state(), infill=True)
 
@@ -214,17 +201,19 @@ def _one(value: Any, vocab: native_schema.Tokenizer, where: str) -> list[int]:
     raise native_schema.NativeError("a prompt is a string, token ids, or {'prompt_string': ...}", where)
 
 
-def _mixed(value: list[int | str], vocab: native_schema.Tokenizer) -> list[int]:
+def _mixed(value: list[Any], vocab: native_schema.Tokenizer, param: str = "prompt") -> list[int]:
     """Token ids and text in one sequence; the text parsed for special tokens, BOS only when
-    the sequence starts with text (as llama-server's ``tokenize_mixed``)."""
+    the sequence starts with text (as llama-server's ``tokenize_mixed``). Anything else in it
+    (a float, a bool, null, a list, an object) or an id outside the vocabulary is a
+    ``NativeError`` naming ``param``."""
     tokens: list[int] = []
     for i, part in enumerate(value):
         if isinstance(part, str):
             tokens += vocab.tokenize(part, add_special=i == 0, parse_special=True)
-        elif isinstance(part, bool) or not 0 <= part < vocab.n_tokens:
-            raise native_schema.NativeError(
-                f"token {part} is not in the vocabulary ({vocab.n_tokens} tokens)", "prompt"
-            )
+        elif isinstance(part, bool) or not isinstance(part, int):
+            raise native_schema.NativeError(f"{param} holds token ids and strings only, not {part!r:.40}", param)
+        elif not 0 <= part < vocab.n_tokens:
+            raise native_schema.NativeError(f"token {part} is not in the vocabulary ({vocab.n_tokens} tokens)", param)
         else:
             tokens.append(part)
     return tokens
@@ -262,7 +251,6 @@ def _infill_prompt(lease: Lease, body: dict[str, Any]) -> list[int]:
 
 
 @native.post("/tokenize")
-@native_errors
 async def tokenize() -> Response:
     body = await read_object()
     async with leased(current_state(), model_name(body.get("model"))) as lease:
@@ -281,10 +269,13 @@ async def _tokenize(vocab: ffi.Vocab, body: dict[str, Any]) -> Response:
     def run() -> list[int]:
         if isinstance(content, str):
             return vocab.tokenize(content, add_special=add_special, parse_special=parse_special)
-        return _mixed(content, vocab) if add_special else _mixed(["", *content], vocab)
+        return _mixed(content if add_special else ["", *content], vocab, "content")
 
-    with tokenizing("content"):
-        tokens = await off_loop(len(str(content)), run)
+    try:
+        with tokenizing("content"):
+            tokens = await off_loop(len(str(content)), run)
+    except native_schema.NativeError as exc:
+        raise _bad(exc) from None
     if not with_pieces:
         return json_response({"tokens": tokens})
     pieces = []
@@ -299,7 +290,6 @@ async def _tokenize(vocab: ffi.Vocab, body: dict[str, Any]) -> Response:
 
 
 @native.post("/detokenize")
-@native_errors
 async def detokenize() -> Response:
     body = await read_object()
     async with leased(current_state(), model_name(body.get("model"))) as lease:
@@ -318,7 +308,6 @@ async def _detokenize(vocab: ffi.Vocab, body: dict[str, Any]) -> Response:
 
 
 @native.post("/apply-template")
-@native_errors
 async def apply_template() -> Response:
     req = await read_json(schema.ChatCompletionRequest)
     return json_response({"prompt": await chat_text(current_state(), req)})
@@ -326,14 +315,12 @@ async def apply_template() -> Response:
 
 @native.post("/chat/completions/input_tokens")
 @native.post("/v1/chat/completions/input_tokens")
-@native_errors
 async def input_tokens() -> Response:
     req = await read_json(schema.ChatCompletionRequest)
     return json_response({"input_tokens": await prompt_tokens(current_state(), req)})
 
 
 @native.get("/props")
-@native_errors
 async def props() -> Response:
     state = current_state()
     async with leased(state, model_name(request.args.get("model"))) as lease:
@@ -382,13 +369,11 @@ def _props(state: ServerState, lease: Lease) -> Response:
 
 
 @native.post("/props")
-@native_errors
 async def change_props() -> Response:
     raise NativeApiError(501, "this server changes no properties at run time", code="not_supported")
 
 
 @native.get("/slots")
-@native_errors
 async def slots() -> Response:
     state = current_state()
     async with leased(state, model_name(request.args.get("model"))) as lease:
@@ -396,9 +381,44 @@ async def slots() -> Response:
 
 
 @native.post("/slots/<id_slot>")
-@native_errors
 async def slot(id_slot: str) -> Response:
     body = await read_object() if (await request.get_data()) else {}
     state = current_state()
     async with leased(state, model_name(request.args.get("model"))) as lease:
         return await slot_action(state, lease, id_slot, request.args.get("action", ""), body)
+
+
+# Each path's methods; another is a 405 in llama-server's shape (routing's own would be the app's).
+_METHODS = {
+    **{
+        path: ("POST",)
+        for path in (
+            "/completion",
+            "/completions",
+            "/infill",
+            "/tokenize",
+            "/detokenize",
+            "/apply-template",
+            "/chat/completions/input_tokens",
+            "/v1/chat/completions/input_tokens",
+            "/slots/<id_slot>",
+        )
+    },
+    "/props": ("GET", "POST"),
+    "/slots": ("GET",),
+}
+
+
+async def wrong_method(**_: str) -> Response:
+    rule = request.url_rule
+    raise MethodNotAllowed(valid_methods=_METHODS[rule.rule if rule is not None else ""])
+
+
+for _path, _allowed in _METHODS.items():
+    native.add_url_rule(
+        _path,
+        f"wrong_method{_path}",
+        wrong_method,
+        methods=[m for m in ("GET", "POST", "PUT", "PATCH", "DELETE") if m not in _allowed],
+        provide_automatic_options=False,
+    )

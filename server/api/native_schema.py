@@ -142,10 +142,14 @@ _DEFAULT_OFF: dict[str, Any] = {
 
 
 def _default_samplers(value: Any) -> bool:
+    """Whether ``samplers`` names llama-server's default chain; ``NativeError`` when it is not
+    a string or a list of strings."""
     if isinstance(value, str):
         return value == DEFAULT_SAMPLER_CHARS
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise NativeError("samplers must be a string of sampler letters or a list of sampler names", "samplers")
     names = [{"typical_p": "typ_p", "top-k": "top_k", "top-p": "top_p", "min-p": "min_p"}.get(v, v) for v in value]
-    return isinstance(value, list) and names == list(DEFAULT_SAMPLERS)
+    return names == list(DEFAULT_SAMPLERS)
 
 
 def _no_penalties(body: dict[str, Any]) -> bool:
@@ -326,6 +330,10 @@ def _grammar(body: dict[str, Any]) -> str | None:
 BAN = float("-inf")  # a bias of false: the token is never picked
 
 
+# More digits than any token id has (int() refuses over 4300): outside the vocabulary, skipped.
+_MAX_ID_DIGITS = 12
+
+
 def logit_bias(value: Any, vocab: Tokenizer, *, ignore_eos: bool = False) -> dict[str, float] | None:
     """llama-server's ``logit_bias`` (``[[token, bias], ...]`` or ``{"token": bias}``, a token
     as its id or as text, whose tokens all get the bias; a bias of ``false`` bans) as token
@@ -352,8 +360,11 @@ def logit_bias(value: Any, vocab: Tokenizer, *, ignore_eos: bool = False) -> dic
             raise NativeError("a logit_bias bias must be a number or false", f"logit_bias[{i}]")
         if isinstance(token, str) and not (token.isascii() and token.isdigit()):
             tokens = vocab.tokenize(token, add_special=False, parse_special=False)
-        elif isinstance(token, str | int) and not isinstance(token, bool):
-            tokens = [int(token)]
+        elif isinstance(token, str):  # digits: an id (more than any vocabulary's: none)
+            digits = token.lstrip("0") or "0"
+            tokens = [int(digits)] if len(digits) <= _MAX_ID_DIGITS else []
+        elif isinstance(token, int) and not isinstance(token, bool):
+            tokens = [token]
         else:
             raise NativeError("a logit_bias token must be an id or text", f"logit_bias[{i}]")
         for t in tokens:

@@ -5,8 +5,10 @@ The list gives counts only, never a sequence's tokens or text: with API keys, se
 other tenants' prompts. For the same reason a caller saves or erases only a sequence that holds
 its own tenant's cache (or nothing), and what it restores is its own from then on. Save and
 restore keep files in the ``--slot-save-path`` folder only: a file name that is not a plain name
-in that folder (a path, ``..``, a hidden file) is refused, and links are not followed
-(``slot_file``). A busy sequence is a 409: the operation waits for no job.
+in that folder (a path, ``..``, a hidden file) is refused, links are not followed, and an entry
+that is not a regular file (a directory, a FIFO) is neither read nor replaced (``slot_file``).
+A busy sequence is a 409: the operation waits for no job; a failing folder (full, not
+writable) a 503.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
             written = await trio.to_thread.run_sync(slot_file.write, path, info.fingerprint, scope, op.tokens, op.data)
         except slot_file.SlotFileError as exc:
             raise ApiError(409, f"{filename}: {exc}", param="filename", code="conflict") from None
+        except slot_file.StorageError as exc:
+            raise _storage(filename, exc) from None
         ms = (time.monotonic() - started) * 1000
         payload = {"id_slot": seq_id, "filename": filename, "n_saved": len(op.tokens), "n_written": written}
         return json_response({**payload, "timings": {"save_ms": ms}})
@@ -104,12 +108,19 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
         raise ApiError(404, f"no saved slot named {filename!r}", param="filename", code="not_found") from None
     except slot_file.SlotFileError as exc:
         raise ApiError(400, f"{filename}: {exc}", param="filename", code="invalid_value") from None
+    except slot_file.StorageError as exc:
+        raise _storage(filename, exc) from None
     if len(tokens) >= engine.n_ctx_seq or any(not 0 <= t < engine.vocab.n_tokens for t in tokens):
         raise ApiError(400, f"{filename} does not fit this server's sequences", param="filename", code="invalid_value")
     op = await _engine_op(engine, SlotOp("restore", seq_id, scope, tokens, data))
     ms = (time.monotonic() - started) * 1000
     payload = {"id_slot": seq_id, "filename": filename, "n_restored": len(tokens), "n_read": size}
     return json_response({**payload, "timings": {"restore_ms": ms}})
+
+
+def _storage(filename: str, exc: slot_file.StorageError) -> ApiError:
+    """The slot folder failing (full, not writable): the server's trouble, said plainly."""
+    return ApiError(503, f"{filename}: {exc}", type_="server_error", code="slot_storage_unavailable")
 
 
 async def _engine_op(engine: Engine, op: SlotOp) -> SlotOp:

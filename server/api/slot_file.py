@@ -10,8 +10,9 @@
     rest     the sequence state (``llama_state_seq_get_data``)
 
 Little-endian. Written to a new file beside the target and renamed over it (a reader never sees
-half a file); opened without following links, so a link in the folder leads nowhere else.
-Blocking: call these in a worker thread.
+half a file); opened without following links, so a link in the folder leads nowhere else, and
+without blocking, so that a FIFO answers at once; anything but a regular file (a directory, a
+FIFO, a device) is neither read nor replaced. Blocking: call these in a worker thread.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import stat
 import struct
 from array import array
 from collections.abc import Sequence
@@ -29,7 +31,11 @@ _U32 = struct.Struct("<I")
 
 
 class SlotFileError(ValueError):
-    """The file is not a saved slot of this model."""
+    """The file is not a saved slot of this model (or not a regular file)."""
+
+
+class StorageError(Exception):
+    """The slot folder failed us (full, not writable...): no fault of the request's."""
 
 
 def owner(scope: str) -> bytes:
@@ -86,35 +92,67 @@ def decode(raw: bytes, fingerprint: str, scope: str) -> tuple[list[int], bytes]:
 
 
 def write(path: str, fingerprint: str, scope: str, tokens: Sequence[int], state: bytes | bytearray) -> int:
-    """Save to ``path`` (replacing a file of the same owner; ``NotOwner`` for another's); the
-    bytes written."""
+    """Save to ``path`` (replacing a file of the same owner; ``NotOwner`` for another's,
+    ``SlotFileError`` for an entry that is not a regular file); the bytes written. Raises
+    ``StorageError`` when the folder fails."""
     head = encode_head(fingerprint, scope, tokens)
     _check_owner(path, scope)
-    folder = os.path.dirname(path)
-    temp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    # A short name of its own (never a name the route accepts: those start with no dot), so
+    # that a target name of any accepted length has a temporary name within NAME_MAX.
+    temp = os.path.join(os.path.dirname(path), f".slot-{secrets.token_hex(6)}.tmp")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise StorageError(f"cannot be written ({exc.strerror})") from None
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(head)
             out.write(state)
         os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
+    except BaseException as exc:
+        if os.path.lexists(temp):
             os.unlink(temp)
+        if isinstance(exc, IsADirectoryError | NotADirectoryError):  # made there since the check
+            raise SlotFileError("cannot be replaced (not a regular file)") from None
+        if isinstance(exc, OSError):
+            raise StorageError(f"cannot be written ({exc.strerror})") from None
         raise
     return len(head) + len(state)
 
 
-def _check_owner(path: str, scope: str) -> None:
-    """``NotOwner`` when ``path`` is a saved slot of another owner (any model)."""
+def _open_regular(path: str) -> int:
+    """A descriptor for reading ``path``: not through a link, never waiting (a FIFO), and
+    ``SlotFileError`` unless it is a regular file. Raises ``FileNotFoundError`` too."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise SlotFileError(f"cannot be opened ({exc.strerror})") from None
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        os.close(fd)
+        raise SlotFileError("not a regular file")
+    return fd
+
+
+def _check_owner(path: str, scope: str) -> None:
+    """``NotOwner`` when ``path`` is a saved slot of another owner (any model);
+    ``SlotFileError`` when it is there but not a regular file."""
+    try:
+        fd = _open_regular(path)
     except FileNotFoundError:
         return
-    except OSError as exc:
-        raise SlotFileError(f"cannot be replaced ({exc.strerror})") from None
+    except SlotFileError as exc:
+        raise SlotFileError(f"cannot be replaced: {exc}") from None
     with os.fdopen(fd, "rb") as f:
-        head = f.read(len(MAGIC) + 8 + 4096 + 32)
+        try:
+            head = f.read(len(MAGIC) + 8 + 4096 + 32)
+        except OSError as exc:
+            raise StorageError(f"cannot be read ({exc.strerror})") from None
     if head[: len(MAGIC)] != MAGIC:
         return  # not a slot file: replaced
     try:
@@ -128,15 +166,13 @@ def _check_owner(path: str, scope: str) -> None:
 
 def read(path: str, fingerprint: str, scope: str) -> tuple[list[int], bytes, int]:
     """The tokens and state saved at ``path``, and the file's size. Raises
-    ``FileNotFoundError`` or ``SlotFileError`` (a link, not a slot of this model, or
-    ``NotOwner``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
-        raise SlotFileError(f"cannot be read ({exc.strerror})") from None
+    ``FileNotFoundError``, ``SlotFileError`` (a link or anything but a regular file, not a slot
+    of this model, or ``NotOwner``) or ``StorageError``."""
+    fd = _open_regular(path)
     with os.fdopen(fd, "rb") as f:
-        raw = f.read()
+        try:
+            raw = f.read()
+        except OSError as exc:
+            raise StorageError(f"cannot be read ({exc.strerror})") from None
     tokens, state = decode(raw, fingerprint, scope)
     return tokens, state, len(raw)
