@@ -85,9 +85,17 @@ def _weights(rng: np.random.Generator, rows: int, cols: int, std: float) -> np.n
     return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16)
 
 
-def write_model(tokenizer: pathlib.Path, target: pathlib.Path, shape: Shape, seed: int = 0) -> int:
+def write_model(
+    tokenizer: pathlib.Path,
+    target: pathlib.Path,
+    shape: Shape,
+    seed: int = 0,
+    *,
+    fim: tuple[int, int, int] | None = None,
+) -> int:
     """A random-weight f16 llama model of ``shape`` with ``tokenizer``'s vocabulary at ``target``;
-    its parameter count."""
+    its parameter count. ``fim``: the ids its metadata names as fill-in-the-middle prefix,
+    suffix and middle tokens (the default model has none)."""
     reader = gguf.GGUFReader(str(tokenizer))
     writer = gguf.GGUFWriter(str(target), "llama")
     n_vocab = _copy_tokenizer(reader, writer)
@@ -104,6 +112,10 @@ def write_model(tokenizer: pathlib.Path, target: pathlib.Path, shape: Shape, see
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if fim is not None:
+        keys = (gguf.Keys.Tokenizer.FIM_PRE_ID, gguf.Keys.Tokenizer.FIM_SUF_ID, gguf.Keys.Tokenizer.FIM_MID_ID)
+        for key, token in zip(keys, fim, strict=True):
+            writer.add_uint32(key, token)
     rng = np.random.default_rng(seed)
     std = 1.0 / np.sqrt(shape.n_embd)
     ones = np.ones(shape.n_embd, dtype=np.float32)

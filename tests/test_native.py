@@ -12,6 +12,7 @@ import threading
 import httpx
 import pytest
 
+import ffi
 from bench.random_model import SHAPES, write_model
 from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 from tests.support.waiting import wait_for
@@ -441,6 +442,43 @@ def test_infill_needs_fim_tokens(server: ServerProcess) -> None:
     body = {"input_prefix": "def f():\n", "input_suffix": "\n", "prompt": "    return"}
     error = native_error(post(server, "/infill", body), 501, "not_supported_error")
     assert "FIM" in error["message"]
+
+
+def test_infill_on_a_model_with_fim_tokens(tmp_path: pathlib.Path, model_path: pathlib.Path, model: ffi.Model) -> None:
+    """Found by review: /infill's own fields reached /completion's check of its fields, so on a
+    model with FIM tokens every request was a 400 ('input_prefix' is not supported)."""
+    vocab = model.vocab
+    pre, suf, mid = (
+        vocab.tokenize(t, add_special=False, parse_special=True)[0]
+        for t in ("<filename>", "<gh_stars>", "<issue_start>")
+    )
+    fim = (pre, suf, mid)
+    write_model(model_path, tmp_path / "fim.gguf", SHAPES["tiny"], seed=4, fim=fim)
+    body = {
+        "input_prefix": "def f():\n",
+        "input_suffix": "\n",
+        "prompt": "    return",
+        "n_predict": 3,
+        "ignore_eos": True,
+    }
+    extra = {"input_extra": [{"filename": "util.py", "text": "X = 1\n"}]}
+    with serving(
+        ["--model", str(tmp_path / "fim.gguf"), "--parallel", "1", "--ctx-size", "2048", "--batch-size", "256"]
+    ) as server:
+        whole = post(server, "/infill", {**body, **extra}).json()
+        assert whole["tokens_predicted"] == 3 and isinstance(whole["content"], str)
+        # The prompt is the FIM layout of the given texts: the extra file, then prefix and
+        # prompt, suffix, and the middle token where the answer goes.
+        prompt = whole["prompt"]
+        marks = ["X = 1", "<filename>def f():\n    return", "<gh_stars>\n", "<issue_start>"]
+        assert [prompt.find(m) for m in marks] == sorted(prompt.find(m) for m in marks) and prompt.find(marks[0]) >= 0
+        assert prompt.endswith("<issue_start>") and all(m in prompt for m in marks)
+        for request in (body, {**body, "stream": True}):
+            answer = post(server, "/infill", request)
+            assert answer.status_code == 200, answer.text
+        native_error(post(server, "/infill", {**body, "input_prefix": 5}), 400)
+        native_error(post(server, "/infill", {**body, "mirostat": 2}), 400)  # still /completion's check
+        assert server.metrics()["llama_trio_active_sequences"] == 0
 
 
 def test_slot_actions_without_a_folder(server: ServerProcess) -> None:

@@ -20,7 +20,7 @@ from server.api import native_render, native_schema, schema
 from server.api.collect import collect
 from server.api.errors import ApiError
 from server.api.middleware import as_api_error
-from server.api.native_infill import Fim, extra_chunks, infill_tokens
+from server.api.native_infill import INFILL_FIELDS, Fim, extra_chunks, infill_tokens
 from server.api.native_slots import slot_action, slots_list
 from server.api.native_stream import NativeStream, StreamContext
 from server.api.preflight import leased, model_name, off_loop, read_json, read_object, tokenizing
@@ -147,7 +147,9 @@ async def _prepare(state: ServerState, *, infill: bool, started: float) -> tuple
                 else:
                     prompts = await off_loop(work, lambda: native_prompts(body.get("prompt"), vocab))
             defaults = native_schema.Defaults(temperature=state.settings.temp, seed=state.settings.seed)
-            req, options = native_schema.completion_request(body, prompts, vocab, defaults)
+            # /infill's own fields are in its prompt now; the rest is read as /completion's.
+            rest = {k: v for k, v in body.items() if k not in INFILL_FIELDS} if infill else body
+            req, options = native_schema.completion_request(rest, prompts, vocab, defaults)
         except native_schema.NativeError as exc:
             raise _bad(exc) from None
         # The one request path takes its own lease on the same model (this one ends here).

@@ -21,6 +21,8 @@ Tokenize = Callable[[str], list[int]]  # text to tokens, no special tokens added
 PROJECT = "myproject\n"  # llama-server's fixed repository name
 CURRENT_FILE = "filename\n"
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
+# The fields of /infill's body read here (into its prompt); the rest is /completion's.
+INFILL_FIELDS = frozenset({"input_prefix", "input_suffix", "input_extra"})
 
 
 @dataclass(frozen=True)
