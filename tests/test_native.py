@@ -437,6 +437,28 @@ def test_id_slot_pins_the_sequence(server: ServerProcess) -> None:
     assert usage["prompt_tokens"] <= cached <= usage["total_tokens"]
 
 
+def test_a_job_waiting_for_its_busy_slot_holds_up_no_one(server: ServerProcess) -> None:
+    """Found by review: a job pinned (id_slot) to a busy sequence stopped the whole queue behind
+    it, though other sequences were free: one client could stall everyone's new requests."""
+    long = {"prompt": PROMPT, "n_predict": 800, "ignore_eos": True, "stream": True, "id_slot": 0}
+    pinned: list[httpx.Response] = []
+    with httpx.stream("POST", server.url + "/completion", json=long, timeout=120) as running:
+        lines = running.iter_lines()  # kept: a line iterator collected would close the stream
+        assert next(line for line in lines if line.startswith("data: "))
+        waiter = threading.Thread(
+            target=lambda: pinned.append(post(server, "/completion", {**long, "n_predict": 2, "stream": False}))
+        )
+        waiter.start()
+        wait_for(lambda: server.metrics()["llama_trio_queue_depth"] == 1, "the pinned job to be queued", 60)
+        # Behind the pinned job, a job for any sequence is answered while slot 0 is still busy.
+        other = post(server, "/completion", {"prompt": PROMPT, "n_predict": 2, "ignore_eos": True})
+        assert other.status_code == 200 and other.json()["id_slot"] != 0
+        assert not pinned and httpx.get(server.url + "/slots").json()[0]["is_processing"]
+    waiter.join(120)  # the stream closed: its slot is freed, and the pinned job runs there
+    assert pinned and pinned[0].status_code == 200 and pinned[0].json()["id_slot"] == 0
+    assert server.metrics()["llama_trio_active_sequences"] == 0
+
+
 def test_infill_needs_fim_tokens(server: ServerProcess) -> None:
     # SmolLM2 has no fill-in-the-middle tokens: llama-server answers the same way.
     body = {"input_prefix": "def f():\n", "input_suffix": "\n", "prompt": "    return"}

@@ -255,10 +255,15 @@ class Engine:
 
     def _admit(self) -> None:
         free = [s for s in self._slots if s.choice is None]
+        # A job pinned to a busy sequence keeps its place but holds up no one: the jobs behind
+        # it take the free sequences (it can only ever take its own, and it is first in line
+        # for that one). A job that wants more sequences than are free does hold the line.
+        waiting: list[Choice] = []
         while self._queue and len(free) >= self._queue[0].job.n_choices:
-            pinned = self._queue[0].job.slot  # the job waits for that sequence (FIFO holds)
+            pinned = self._queue[0].job.slot
             if pinned is not None and self._slots[pinned] not in free:
-                break
+                waiting.append(self._queue.popleft())
+                continue
             choice = self._queue.popleft()
             job = choice.job
             try:
@@ -285,6 +290,7 @@ class Engine:
             for member, sampler in zip(choice.members, samplers, strict=True):
                 self._tick += 1
                 member.start(slots[member], sampler, self.vocab, self._tick)
+        self._queue.extendleft(reversed(waiting))
         self.stats.queued = len(self._queue)
 
     def _plan(self) -> list[scheduler.PlanEntry]:
