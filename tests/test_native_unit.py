@@ -94,6 +94,18 @@ def test_samplers_of_another_type_are_refused(samplers: object) -> None:
     assert caught.value.param == "samplers"
 
 
+def test_json_schema_and_grammar_are_one_or_the_other() -> None:
+    # llama-server drops the schema when a grammar is given; a client who sent both was told
+    # nothing of it. An empty grammar is none.
+    with pytest.raises(native_schema.NativeError, match="not both") as refused:
+        parse(grammar='root ::= "a"', json_schema={"type": "number"})
+    assert refused.value.param == "json_schema"
+    req, _ = parse(grammar="", json_schema={"type": "number"})
+    assert req.json_schema == {"type": "number"} and req.grammar is None
+    req, _ = parse(grammar='root ::= "a"')
+    assert req.grammar == 'root ::= "a"' and req.json_schema is None
+
+
 def test_logit_bias_forms() -> None:
     vocab = FakeVocab()
     assert native_schema.logit_bias([[65, 1.5], ["7", -2]], vocab) == {"65": 1.5, "7": -2.0}

@@ -311,8 +311,10 @@ def completion_request(
 
 def _json_schema(body: dict[str, Any]) -> dict[str, Any] | None:
     value = body.get("json_schema")
-    if value is None or body.get("grammar"):  # a grammar wins, as there
+    if value is None:
         return None
+    if body.get("grammar"):  # llama-server lets the grammar win silently; one is dropped either way
+        raise NativeError("give json_schema or grammar, not both", "json_schema")
     if not isinstance(value, dict):
         raise NativeError("json_schema must be a JSON Schema object", "json_schema")
     return value or {"type": "object"}  # an empty schema: any object, as there
