@@ -237,6 +237,45 @@ def test_json_object_with_an_invalid_schema_is_a_400(server: ServerProcess, sche
     assert (error["param"], error["code"]) == (param, "invalid_value")
 
 
+def test_a_formats_description_reaches_the_prompt(server: ServerProcess) -> None:
+    # OpenAI shows the model what the format is for; it was parsed and dropped here.
+    described = response_format({"type": "object", "properties": {"color": {"type": "string"}}})
+    described["json_schema"]["description"] = "the color of the sky at noon on a clear day"
+    plain = response_format(described["json_schema"]["schema"])
+
+    def count(path: str, body: dict[str, Any]) -> int:
+        response = httpx.post(server.url + path, json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return int(response.json()["input_tokens"])
+
+    # A system message of the client's in both (this model's template adds one of its own when
+    # there is none), to which the description is joined.
+    ask = [{"role": "system", "content": "Be brief."}, *ASK]
+    chat_path = "/v1/chat/completions/input_tokens"
+    with_note = count(chat_path, {"messages": ask, "response_format": described})
+    assert with_note > count(chat_path, {"messages": ask, "response_format": plain}) + 8
+    # The same through the Responses API's text.format.
+    format_ = described["json_schema"]
+    text = {
+        "format": {
+            "type": "json_schema",
+            "name": "answer",
+            "schema": format_["schema"],
+            "description": format_["description"],
+        }
+    }
+    no_text = {"format": {"type": "json_schema", "name": "answer", "schema": format_["schema"]}}
+    responses = "/v1/responses/input_tokens"
+    assert count(responses, {"input": ask, "text": text}) > count(responses, {"input": ask, "text": no_text}) + 8
+    answer = chat(server, {"response_format": described, "max_tokens": 8})
+    assert answer["choices"][0]["message"]["content"].startswith("{")
+    # A completion's prompt is raw text, with no system message to hold it: refused, not dropped.
+    refused = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "Sky:", "response_format": described}, timeout=60
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format.json_schema.description"
+
+
 def test_max_tokens_first_ends_with_length_and_a_prefix(server: ServerProcess) -> None:
     # The shortest valid answer is 52 bytes, and no token that fits in one is longer than 5
     # bytes ("start"; digits are single tokens): 5 tokens cannot finish it, whatever they are.

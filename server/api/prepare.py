@@ -229,6 +229,9 @@ def _prompt(req: schema.ChatCompletionRequest | schema.CompletionRequest, engine
             return [tokens]
 
         return _Prompt(render_chat, chat.work, req.max_completion_tokens or req.max_tokens, chat.use)
+    if _format_description(req) is not None:  # a raw prompt has no system message to hold it
+        param = "response_format.json_schema.description"
+        raise ApiError(400, "a format's description needs a chat request", param=param, code="unsupported_parameter")
     prompts = _completion_prompts(req, vocab.n_tokens)
 
     def render() -> list[list[int]]:
@@ -252,9 +255,30 @@ class _Chat:
     work: int  # for ``preflight.off_loop``
 
 
+def _format_description(req: schema.ChatCompletionRequest | schema.CompletionRequest) -> str | None:
+    form = req.response_format
+    if form is None or form.type != "json_schema" or form.json_schema is None:
+        return None
+    return form.json_schema.description or None
+
+
+def _with_format_note(req: schema.ChatCompletionRequest, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the response format's ``description`` (what the answer is for, which
+    OpenAI shows the model) joined to the system message, or as one of its own."""
+    description = _format_description(req)
+    if description is None:
+        return messages
+    assert req.response_format is not None and req.response_format.json_schema is not None
+    name = req.response_format.json_schema.name
+    note = f"Answer in the JSON format{f' {name!r}' if name else ''}: {description}"
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}".strip()}, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
+
+
 def _chat(req: schema.ChatCompletionRequest, info: ModelInfo) -> _Chat:
     use = tool_use(req, native=tools.knows_tools(info.template.source))
-    messages = _chat_messages(req, use, info.template.named_roles)
+    messages = _with_format_note(req, _chat_messages(req, use, info.template.named_roles))
     continues = continues_final(req, messages, constrained=use is not None and use.constrained)
     work = sum(len(m["content"]) for m in messages) + CHARS_PER_MESSAGE * len(messages)
     template_tools = use.template_tools if use is not None else None
