@@ -116,8 +116,7 @@ def _check_values(payload: dict[str, Any]) -> None:
         value, path, depth = stack.pop()
         if isinstance(value, str):
             if not value.isascii() and _SURROGATE.search(value):
-                message = f"{path}: the text contains a lone UTF-16 surrogate (invalid Unicode)"
-                raise ApiError(400, message, param=path[:MAX_PARAM_NAME], code="invalid_value")
+                raise _lone_surrogate(path)
             continue
         if depth > MAX_BODY_DEPTH:
             message = (
@@ -129,11 +128,15 @@ def _check_values(payload: dict[str, Any]) -> None:
         for key, child in items:
             step = _step(path, key)
             if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
-                message = f"{step}: the text contains a lone UTF-16 surrogate (invalid Unicode)"
-                raise ApiError(400, message, param=step[:MAX_PARAM_NAME], code="invalid_value")
+                raise _lone_surrogate(step)
             if isinstance(child, str | dict | list):
                 children.append((child, step, depth + 1))
         stack.extend(reversed(children))
+
+
+def _lone_surrogate(path: str) -> ApiError:
+    message = f"{path}: the text contains a lone UTF-16 surrogate (invalid Unicode)"
+    return ApiError(400, message, param=path[:MAX_PARAM_NAME], code="invalid_value")
 
 
 def _step(path: str, key: str | int) -> str:

@@ -270,10 +270,7 @@ def _with_format_note(req: schema.ChatCompletionRequest, messages: list[dict[str
         return messages
     assert req.response_format is not None and req.response_format.json_schema is not None
     name = req.response_format.json_schema.name
-    note = f"Answer in the JSON format{f' {name!r}' if name else ''}: {description}"
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}".strip()}, *messages[1:]]
-    return [{"role": "system", "content": note}, *messages]
+    return tools.with_system_note(messages, f"Answer in the JSON format{f' {name!r}' if name else ''}: {description}")
 
 
 def _chat(req: schema.ChatCompletionRequest, info: ModelInfo) -> _Chat:

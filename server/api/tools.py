@@ -129,12 +129,14 @@ def conversation(messages: Sequence[Mapping[str, Any]], system_extra: str | None
             name = names.get(call_id) or message.get("name") or "a tool"
             role, content = "user", f"Result of {name} (call {call_id}): {content}"
         out.append({"role": role, "content": content, **_name_of(message)})
-    if system_extra is not None:
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system_extra}".strip()}
-        else:
-            out.insert(0, {"role": "system", "content": system_extra})
-    return out
+    return out if system_extra is None else with_system_note(out, system_extra)
+
+
+def with_system_note(messages: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    """``messages`` with ``note`` joined to the first system message, or as one of its own."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}".strip()}, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
 
 
 def _name_of(message: Mapping[str, Any]) -> dict[str, str]:
