@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import builtins
+import pathlib
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from server.api.lazy import lazy_module
+from server.api import lazy
+from server.api.lazy import deferred, import_deferred
 from tests.support.process import ROOT
 
 # Loaded by the first request that needs them, never by the start.
@@ -34,27 +38,69 @@ def test_the_start_leaves_out_what_only_some_requests_need() -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
-# The agent families' models, renderers and streams (pydantic classes and dataclasses, ~12 ms of
-# every start otherwise): their routes are registered at start, their modules run at first use.
-_FAMILIES = (
-    "import sys, types\n"
-    "import server.__main__, server.serve.lifecycle\n"
-    "names = [f'server.api.{f}_{p}' for f in ('anthropic', 'responses') for p in ('parse', 'render', 'stream')]\n"
-    "print(*(type(sys.modules[n]) is types.ModuleType for n in names))\n"
-    "sys.modules['server.api.anthropic_stream'].AnthropicStream  # what a Messages stream reads first\n"
-    "print(*(type(sys.modules[n]) is types.ModuleType for n in names))\n"
+# Imported once the server is ready (server.api.lazy), never by the start: pydantic and every
+# module built on it (the request models, the model list, the agent families).
+_LATER = (
+    "import sys\n"
+    "import server.__main__, server.serve.lifecycle, server.serve.restart, server.store\n"
+    "from server.api import lazy\n"
+    "names = ['pydantic', *lazy.deferred_names()]\n"
+    "print(*(n in sys.modules for n in names))\n"
+    "lazy.import_deferred()\n"
+    "print(*(n in sys.modules for n in names))\n"
 )
 
 
-def test_the_agent_families_modules_run_at_their_first_use() -> None:
-    out = subprocess.run([sys.executable, "-c", _FAMILIES], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_the_request_models_are_imported_after_the_start() -> None:
+    out = subprocess.run([sys.executable, "-c", _LATER], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     before, after = (line.split() for line in out.stdout.splitlines())
-    assert before == ["False"] * 6  # registered lazily, none of them run
-    assert after[2:] == ["True", "False", "False", "False"]  # the stream ran; the other family did not
+    assert len(before) >= 8  # pydantic, the schema, the model list and the families' six
+    assert set(before) == {"False"}
+    assert set(after) == {"True"}
 
 
-def test_lazy_module_gives_an_imported_module_as_it_is_and_refuses_a_missing_one() -> None:
-    assert lazy_module("server.api.errors") is sys.modules["server.api.errors"]
+def test_a_deferred_module_is_the_module_itself_at_its_first_read(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lazy, "_DEFERRED", {})  # this test's modules only
+    (tmp_path / "deferred_probe.py").write_text("VALUE = 42\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        probe = deferred("deferred_probe")
+        assert "deferred_probe" not in sys.modules
+        assert lazy.deferred_names() == ["deferred_probe"]
+        assert probe.VALUE == 42
+        assert "deferred_probe" in sys.modules
+        with pytest.raises(AttributeError):
+            probe.MISSING  # noqa: B018
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("deferred_probe", None)
     with pytest.raises(ModuleNotFoundError):
-        lazy_module("server.api.no_such_family")
+        deferred("server.api.no_such_family")
+
+
+def test_a_read_while_another_thread_imports_waits_for_the_whole_module(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lazy, "_DEFERRED", {})  # this test's modules only
+    # The warm-up thread imports while a request on the event loop reads: the reader must get
+    # the module whole, never one half run (what the standard library's LazyLoader gives on 3.11).
+    started = threading.Event()
+    (tmp_path / "slow_probe.py").write_text(
+        "import time\nFIRST = 1\nimport builtins\nbuiltins._slow_probe_started.set()\ntime.sleep(0.5)\nLAST = 2\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    builtins._slow_probe_started = started  # type: ignore[attr-defined]
+    try:
+        probe = deferred("slow_probe")
+        importer = threading.Thread(target=import_deferred)
+        importer.start()
+        assert started.wait(10)
+        assert probe.LAST == 2  # waited for the import rather than reading the half-made module
+        importer.join(10)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("slow_probe", None)
+        del builtins._slow_probe_started  # type: ignore[attr-defined]

@@ -30,12 +30,12 @@ if TYPE_CHECKING:
     from server.api import anthropic_parse as parse
     from server.api import anthropic_render as render
     from server.api import anthropic_stream as stream
-else:  # run at the family's first request, not at every start (see server.api.lazy)
-    from server.api.lazy import lazy_module
+else:  # imported once the server is ready (server.api.lazy)
+    from server.api.lazy import deferred
 
-    parse = lazy_module("server.api.anthropic_parse")
-    render = lazy_module("server.api.anthropic_render")
-    stream = lazy_module("server.api.anthropic_stream")
+    parse = deferred("server.api.anthropic_parse")
+    render = deferred("server.api.anthropic_render")
+    stream = deferred("server.api.anthropic_stream")
 
 anthropic = Blueprint("anthropic", __name__)
 

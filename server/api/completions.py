@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Response, request
 
-from server.api import logprobs, native_render, schema, sse
+from server.api import logprobs, native_render, sse
 from server.api.collect import Collected, collect
 from server.api.errors import ApiError
+from server.api.lazy import deferred
 from server.api.openai_stream import OpenAIStream
 from server.api.prepare import Prepared, prepare
 from server.api.respond import json_response
@@ -19,6 +20,11 @@ from server.api.streaming import streamed_response
 from server.api.tools import call_id, read_answer
 from server.api.trace import Trace, merged_usage, usage_payload
 from server.state import ServerState
+
+if TYPE_CHECKING:
+    from server.api import schema
+else:  # imported once the server is ready (server.api.lazy)
+    schema = deferred("server.api.schema")
 
 
 async def complete(state: ServerState, *, chat: bool) -> Response:

@@ -10,17 +10,23 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from server.api import schema, tools
+from server.api import tools
 from server.api.errors import ApiError
 from server.api.json_bounds import JSON_OBJECT, closed_objects
+from server.api.lazy import deferred
 from server.engine import EngineError
 from server.engine.grammar import Grammar, GrammarError, GrammarKind
 from server.engine.grammar_limits import TooComplex, check_schema, check_schema_text
 from server.models.runtime import ModelRuntime
+
+if TYPE_CHECKING:
+    from server.api import schema
+else:  # imported once the server is ready (server.api.lazy)
+    schema = deferred("server.api.schema")
 
 # A function without parameters takes an empty object.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}

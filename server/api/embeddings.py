@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from quart import Response
 
-from server.api import schema
 from server.api.errors import ApiError
+from server.api.lazy import deferred
 from server.api.preflight import model_lease, off_loop, read_json, refuse_unsupported, resolve, tokenizing
 from server.api.respond import json_response
 from server.engine import EngineError
 from server.models.registry import Lease
 from server.state import ServerState
+
+if TYPE_CHECKING:
+    from server.api import schema
+else:  # imported once the server is ready (server.api.lazy)
+    schema = deferred("server.api.schema")
 
 
 async def embed(state: ServerState) -> Response:

@@ -1,36 +1,71 @@
-"""``lazy_module``: a module executed at its first use rather than at the server's start.
+"""``deferred``: a module imported just after the server's start rather than during it.
 
-An API family that only some clients speak (Anthropic's Messages, OpenAI's Responses) keeps its
-request models, renderers and stream dialect in modules of their own; building their pydantic
-models and dataclasses is about 12 ms of Python that every start would pay before ``/health``
-answers. The family's routes are registered at start as always, and these modules are made by
-the standard library's ``importlib.util.LazyLoader``: the module object exists at once (so
-``from server.api import anthropic_parse`` elsewhere gets the same object) and its code runs at
-the first attribute read, which is the family's first request, on the event loop's thread.
+The request models (``schema``, built on pydantic), the model list's models and the agent
+families' parsers, renderers and streams are about 0.1 s of Python that every start would pay
+before ``/health`` answers: more than llama.cpp's load of a small model, which runs beside the
+imports. The modules that use them hold a ``Deferred`` in their place: a stand-in whose
+attribute reads are the module's own, the first one importing it. Once the server is ready,
+``import_deferred`` imports every deferred module in a worker thread (the server's lifecycle
+calls it), so that the first request rarely finds one missing.
 
-The first read must not race another thread's: Python 3.11's lazy module takes no lock. Route
-handlers run on the one event-loop thread, so they never race; nothing reads these modules from
-a worker thread before a route has.
+Thread safety is Python's own: ``Deferred`` imports with ``importlib.import_module``, so a read
+on the event loop while the worker thread is importing the module waits for that import to end,
+as any import does across threads, and never sees a module half run. (The standard library's
+``LazyLoader`` runs a module's code at its first attribute read without a lock on Python 3.11,
+so it is not used.)
+
+A module that uses one writes, for mypy's sake::
+
+    if TYPE_CHECKING:
+        from server.api import schema
+    else:
+        schema = deferred("server.api.schema")
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-import sys
 from types import ModuleType
+from typing import Any
+
+_DEFERRED: dict[str, None] = {}  # every deferred module's name, in the order first deferred
 
 
-def lazy_module(name: str) -> ModuleType:
-    """The module ``name``: the one already imported, else one whose code runs at its first
-    attribute read. A name that does not exist raises ``ModuleNotFoundError`` now."""
-    if name in sys.modules:
-        return sys.modules[name]
+class Deferred:
+    """A stand-in for the module ``name``: each attribute read is the module's own."""
+
+    __slots__ = ("_name", "_module")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, attr: str) -> Any:  # only for names not on the stand-in itself
+        module = self._module
+        if module is None:
+            module = self._module = importlib.import_module(self._name)
+        return getattr(module, attr)
+
+    def __repr__(self) -> str:
+        return f"<deferred module {self._name!r}>"
+
+
+def deferred(name: str) -> Deferred:
+    """A stand-in for the module ``name``, imported at the first attribute read or by
+    ``import_deferred``. A name that does not exist raises ``ModuleNotFoundError`` now."""
     spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
+    if spec is None:
         raise ModuleNotFoundError(f"no module named {name!r}", name=name)
-    loader = importlib.util.LazyLoader(spec.loader)
-    spec.loader = loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    loader.exec_module(module)
-    return module
+    _DEFERRED[name] = None
+    return Deferred(name)
+
+
+def deferred_names() -> list[str]:
+    return list(_DEFERRED)
+
+
+def import_deferred() -> None:
+    """Import every deferred module (a worker thread's work, once the server is ready)."""
+    for name in list(_DEFERRED):
+        importlib.import_module(name)

@@ -1,11 +1,13 @@
 """The model list's wire schema (``GET /v1/models``): OpenAI's model card, with our status,
-aliases and the loaded file's own name beside it. Pydantic only, as ``schema``."""
+aliases and the loaded file's own name beside it; and the operators' model actions
+(``POST /models/load``, ``/models/unload``). Pydantic only, as ``schema``."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from server.api.schema import Out as _Out
+from server.api.schema import StrictRequest
 
 
 class ModelMeta(_Out):
@@ -34,3 +36,9 @@ class ModelCard(_Out):
 class ModelList(_Out):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ModelAction(StrictRequest):
+    """``POST /models/load`` and ``/models/unload``: the model an operator names."""
+
+    model: str

@@ -10,15 +10,16 @@ llama-server's shape (``{"error": {"code", "message", "type"}}``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response, request
 from werkzeug.exceptions import MethodNotAllowed
 
 import ffi
-from server.api import native_render, native_schema, schema
+from server.api import native_render, native_schema
 from server.api.collect import collect
 from server.api.errors import ApiError
+from server.api.lazy import deferred
 from server.api.middleware import as_api_error
 from server.api.native_infill import INFILL_FIELDS, Fim, extra_chunks, infill_tokens
 from server.api.native_slots import slot_action, slots_list
@@ -31,6 +32,11 @@ from server.api.streaming import streamed_response
 from server.api.trace import Trace
 from server.models.registry import Lease
 from server.state import ServerState
+
+if TYPE_CHECKING:
+    from server.api import schema
+else:  # imported once the server is ready (server.api.lazy)
+    schema = deferred("server.api.schema")
 
 native = Blueprint("native", __name__)
 

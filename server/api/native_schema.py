@@ -14,9 +14,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from server.api import schema
+from server.api.lazy import deferred
+
+if TYPE_CHECKING:
+    from server.api import schema
+else:  # imported once the server is ready (server.api.lazy)
+    schema = deferred("server.api.schema")
+
 
 # Sampling defaults where a request sets none: llama-server's, so that its clients get the
 # answers they expect (the OpenAI routes keep OpenAI's).

@@ -10,12 +10,19 @@ releases the sequence.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from quart import Blueprint, Response
 
-from server.api import model_list
 from server.api.completions import complete
 from server.api.embeddings import embed
+from server.api.lazy import deferred
 from server.api.respond import current_state, json_response
+
+if TYPE_CHECKING:
+    from server.api import model_list
+else:  # imported once the server is ready (server.api.lazy)
+    model_list = deferred("server.api.model_list")
 
 openai = Blueprint("openai", __name__)
 

@@ -5,15 +5,21 @@ needs no API key), ``/metrics`` (Prometheus), and ``POST /models/load`` and ``/m
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from quart import Blueprint, Response
 
-from server.api import schema
 from server.api.errors import ApiError
+from server.api.lazy import deferred
 from server.api.preflight import model_lease, read_json, resolve
 from server.api.respond import current_state, json_response
 from server.metrics import CONTENT_TYPE
 from server.models.registry import ModelBusy
+
+if TYPE_CHECKING:
+    from server.api import model_list
+else:  # imported once the server is ready (server.api.lazy)
+    model_list = deferred("server.api.model_list")
 
 PUBLIC = frozenset(["/health", "/v1/health"])  # paths that need no API key
 
@@ -55,10 +61,6 @@ async def metrics() -> Response:
     return Response(state.metrics.render(), content_type=CONTENT_TYPE, headers=headers)
 
 
-class ModelAction(schema.StrictRequest):
-    model: str
-
-
 @ops.post("/models/load")
 async def load_model() -> Response:
     """Load a model now and answer once it serves (an operator's preload; behind the API key).
@@ -66,7 +68,7 @@ async def load_model() -> Response:
     *Cancellation*: the wait ends; the load goes on.
     """
     state = current_state()
-    req: ModelAction = await read_json(ModelAction)
+    req: model_list.ModelAction = await read_json(model_list.ModelAction)
     lease = await model_lease(state, req.model)
     lease.release()
     return json_response({"model": lease.spec.id, "status": "loaded"})
@@ -76,7 +78,7 @@ async def load_model() -> Response:
 async def unload_model() -> Response:
     """Unload a model now; a 409 while requests hold it (never unloaded from under them)."""
     state = current_state()
-    req: ModelAction = await read_json(ModelAction)
+    req: model_list.ModelAction = await read_json(model_list.ModelAction)
     spec = resolve(state, req.model)
     try:
         unloaded = state.models.unload(spec.id)

@@ -14,9 +14,8 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import pydantic
 import trio
 from quart import request
 
@@ -26,6 +25,9 @@ from server.engine import ShuttingDown
 from server.models.registry import Lease, ModelNotFound, ModelUnavailable
 from server.models.specs import ModelSpec
 from server.state import ServerState
+
+if TYPE_CHECKING:
+    import pydantic
 
 # Bodies larger than this are parsed and validated in a worker thread (json.loads and pydantic
 # take about 1 ms per 40 KB here).
@@ -45,7 +47,7 @@ MAX_BODY_DEPTH = 256
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 T = TypeVar("T")
-M = TypeVar("M", bound=pydantic.BaseModel)
+M = TypeVar("M", bound="pydantic.BaseModel")
 
 
 async def read_json(model: type[pydantic.BaseModel]) -> Any:
@@ -93,9 +95,11 @@ def _parse(model: type[pydantic.BaseModel], raw: str | bytes) -> Any:
 def validate(model: type[M], payload: Any, at: str = "") -> M:
     """``payload`` validated as ``model``; a 400 naming the first bad field otherwise (under
     ``at``, the field ``payload`` came from, when it is part of a request)."""
+    from pydantic import ValidationError  # imported with ``model``'s module (server.api.lazy)
+
     try:
         return model.model_validate(payload)
-    except pydantic.ValidationError as exc:
+    except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         param = param_from_loc(tuple(first["loc"]))
         if at:

@@ -9,18 +9,24 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import ffi
-from server.api import schema, tools
+from server.api import tools
 from server.api.constraints import ToolUse, output_grammar, tool_use
 from server.api.errors import ApiError
+from server.api.lazy import deferred
 from server.api.preflight import CHARS_PER_MESSAGE, model_lease, off_loop, read_json, refuse_unsupported, tokenizing
 from server.api.prompt import chat_tokens, text_tokens
 from server.api.respond import tenant
 from server.engine import Engine, Job
 from server.models.registry import Lease
 from server.state import ModelInfo, ServerState
+
+if TYPE_CHECKING:
+    from server.api import schema
+else:  # imported once the server is ready (server.api.lazy)
+    schema = deferred("server.api.schema")
 
 logger = logging.getLogger("llama_trio.api")
 

@@ -32,12 +32,12 @@ if TYPE_CHECKING:
     from server.api import responses_parse as parse
     from server.api import responses_render as render
     from server.api import responses_stream as stream
-else:  # run at the family's first request, not at every start (see server.api.lazy)
-    from server.api.lazy import lazy_module
+else:  # imported once the server is ready (server.api.lazy)
+    from server.api.lazy import deferred
 
-    parse = lazy_module("server.api.responses_parse")
-    render = lazy_module("server.api.responses_render")
-    stream = lazy_module("server.api.responses_stream")
+    parse = deferred("server.api.responses_parse")
+    render = deferred("server.api.responses_render")
+    stream = deferred("server.api.responses_stream")
 
 responses = Blueprint("responses", __name__)
 logger = logging.getLogger("llama_trio.api")

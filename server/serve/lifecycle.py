@@ -44,6 +44,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
 from server.api.app import create_app
+from server.api.lazy import import_deferred
 from server.engine import ShuttingDown
 from server.models.loading import EarlyLoads
 from server.net.connection import ARRIVAL_GRACE, Connection
@@ -266,6 +267,12 @@ class Service:
             self.ready_fd = None
         else:
             sdnotify.notify("READY=1", f"STATUS=serving on {self.address}")
+        # What only requests need (the request models, the agent families), imported now that
+        # /health answers rather than before: a request that comes first waits for it.
+        try:
+            await trio.to_thread.run_sync(import_deferred)
+        except Exception:
+            logger.exception("importing the request modules failed")
 
     async def _stop_if_load_fails(self) -> None:
         await self.state.ready.wait()
