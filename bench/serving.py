@@ -19,7 +19,8 @@ both servers generate the same number of tokens.
 
 One run of a side starts a fresh server and measures, in this order:
 
-- startup: seconds from launch to the first 200 on ``/health``;
+- startup: seconds from launch to the first 200 on ``/health``, and to the end of the first
+  answer (a chat completion of 16 tokens, sent as soon as ``/health`` answers);
 - aggregate completion tokens/s at 1, 4 and 16 concurrent streams: that many clients, each
   sending ``--waves`` requests of ``MAX_TOKENS`` (128) one after another; completion tokens
   (from ``usage``) / wall time from the first request to the end of the last stream;
@@ -152,7 +153,8 @@ async def measure_all(session: Session, cfg: Config, watch: common.CpuWatch) -> 
         return guarded(session, what, measurement, max_foreign=cfg.max_foreign, retries=cfg.retries)
 
     out: dict[str, Any] = {"startup_s": await session.server.wait_ready()}
-    await session.chat(TTFT_MAX_TOKENS)  # warm-up
+    await session.chat(TTFT_MAX_TOKENS)  # warm-up, sent as /health answers: the first answer
+    out["first_answer_s"] = time.perf_counter() - session.server.started
     out["throughput"] = [
         await guard(f"throughput at {c}", partial(measure_throughput, session, c, cfg.waves)) for c in CONCURRENCY
     ]

@@ -28,7 +28,7 @@ def chart(summary: dict[str, Any], path: pathlib.Path) -> None:
         ("Peak RSS (MiB)", ["rss"], [""]),
         ("After a disconnect (s)", ["disconnect_cpu", "disconnect_idle"], ["CPU", "to idle"]),
         ("SIGTERM, 2 streams (s)", ["sigterm_exit"], ["to exit"]),
-        ("Startup (s)", ["startup"], ["to /health 200"]),
+        ("Startup (s)", ["startup", "first_answer"], ["to /health 200", "to 1st answer"]),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colours = {"llama-server": "#4c72b0", "ours": "#dd8452"}

@@ -102,6 +102,8 @@ def _serving_metrics() -> list[Metric]:
          lambda r: r["disconnect"]["idle_after_s"], 2, False),
         ("sigterm_exit", "SIGTERM with 2 streams: seconds to exit", "s", lambda r: r["sigterm"]["exit_s"], 2, False),
         ("startup", "startup: launch to first 200 on /health", "s", lambda r: r["startup_s"], 2, False),
+        ("first_answer", "startup: launch to the first answer (16 tokens)", "s",
+         lambda r: r.get("first_answer_s"), 2, False),
     ]  # fmt: skip
     return metrics
 

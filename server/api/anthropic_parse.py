@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from server.api import schema
 from server.api.errors import ApiError
+from server.api.lazy import build_models
 from server.api.preflight import validate
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -282,3 +283,6 @@ def _tool_choice(choice: ToolChoice) -> dict[str, Any]:
     else:
         fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
     return fields
+
+
+build_models(globals())

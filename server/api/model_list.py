@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from server.api.lazy import build_models
 from server.api.schema import Out as _Out
 from server.api.schema import StrictRequest
 
@@ -42,3 +43,6 @@ class ModelAction(StrictRequest):
     """``POST /models/load`` and ``/models/unload``: the model an operator names."""
 
     model: str
+
+
+build_models(globals())

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from server.api import schema
 from server.api.errors import ApiError
+from server.api.lazy import build_models
 from server.api.preflight import validate
 
 # Where an error from the internal request's preparation points, in this API's terms.
@@ -298,3 +299,6 @@ def _response_format(form: TextFormat) -> dict[str, Any]:
     if form.strict is not None:
         json_schema["strict"] = form.strict
     return {"type": "json_schema", "json_schema": json_schema}
+
+
+build_models(globals())

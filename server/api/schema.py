@@ -14,6 +14,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from server.api.lazy import build_models
+
 MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 2048  # as OpenAI
 MAX_CACHE_SALT = 256
@@ -25,19 +27,12 @@ MAX_TOKEN_ID_DIGITS = 10  # token ids are int32
 
 
 # Request fields (top level) that do not change the answer, accepted and not used: bookkeeping
-# for the caller or for OpenAI's own storage, caching hints and speed hints.
+# for the caller or for OpenAI's own storage, caching hints and speed hints (``prediction``,
+# a predicted output, is one).
 IGNORABLE_FIELDS = frozenset(
-    {
-        "metadata",
-        "store",
-        "service_tier",
-        "safety_identifier",
-        "prompt_cache_key",
-        "prompt_cache_retention",
-        "prompt_cache_options",
-        "prediction",  # predicted output: only a speed hint
-    }
-)
+    {"metadata", "store", "service_tier", "safety_identifier", "prediction",
+     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"}
+)  # fmt: skip
 
 
 class _Request(BaseModel):
@@ -381,8 +376,7 @@ class EmbeddingRequest(_Request):
 
 
 class Out(BaseModel):
-    """A response object; its validator is built at its first use, not at import (as the
-    requests': ``defer_build`` saves the start-up about 35 ms)."""
+    """A response object. Every model's validator is built at the end (``build_models``)."""
 
     model_config = ConfigDict(defer_build=True)
 
@@ -447,3 +441,6 @@ class Completion(Out):
     system_fingerprint: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+
+
+build_models(globals())
