@@ -148,7 +148,7 @@ _HELP = {
         "SQLite file for stored responses (/v1/responses), kept across restarts and shared with a hot "
         "restart's new process (default: in memory)"
     ),
-    "responses_max_mb": "MiB of stored responses kept (oldest out)",
+    "responses_max_mb": "MiB of stored responses kept per tenant (API key; its oldest out)",
     "max_tokens": "ceiling on any request's max_tokens (also the default when a request sets none)",
     "drain_timeout": "seconds in-flight requests may run after SIGTERM",
     "max_body": "largest request body in bytes (413 above)",

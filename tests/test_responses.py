@@ -233,6 +233,39 @@ def test_retrieve_and_delete(sdk: openai.OpenAI) -> None:
             gone()
 
 
+def test_an_item_id_already_in_the_conversation_is_a_400(sdk: openai.OpenAI, server: ServerProcess) -> None:
+    # input_items pages by id: two items with one id would page without end.
+    first = sdk.responses.create(model="x", input="Pick a color.", text=fmt(COLOR))  # type: ignore[arg-type]
+    echoed = first.output[0].model_dump(exclude_none=True)  # a client sending the output back
+    for body in (
+        {"previous_response_id": first.id, "input": [echoed, {"role": "user", "content": "And?"}]},
+        {"input": [{"role": "user", "content": "a", "id": "msg_1"}, {"role": "user", "content": "b", "id": "msg_1"}]},
+    ):
+        response = httpx.post(server.url + "/v1/responses", json={**body, "max_output_tokens": 4}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "invalid_value" and error["param"] in ("input[0].id", "input[1].id"), error
+
+
+def test_a_response_deleted_while_it_streams_is_not_stored(sdk: openai.OpenAI, server: ServerProcess) -> None:
+    body = {"input": "Tell a story.", "text": fmt(LONG), "max_output_tokens": 48, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        events = []
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] == "response.output_text.delta":
+                    break
+        id_ = events[0]["response"]["id"]
+        deleted = httpx.delete(f"{server.url}/v1/responses/{id_}", timeout=30)
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True, deleted.text
+        ends = [json.loads(line[6:])["type"] for line in lines if line.startswith("data: ")]
+    assert ends[-1] in ("response.completed", "response.incomplete"), ends[-3:]
+    with pytest.raises(openai.NotFoundError):  # the delete stuck: the end kept nothing
+        sdk.responses.retrieve(id_)
+
+
 def test_store_false_stores_nothing(sdk: openai.OpenAI) -> None:
     r = sdk.responses.create(model="x", input="Pick a color.", text=fmt(COLOR), store=False)  # type: ignore[arg-type]
     assert r.store is False

@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 import trio
+import trio.lowlevel
 
 from server.store import ResponseStore, StoreError
 
@@ -102,3 +103,71 @@ def test_a_file_that_cannot_be_opened_is_one_clear_error(tmp_path: pathlib.Path)
     (tmp_path / "text").write_text("not a database, " * 100)
     with pytest.raises(StoreError, match="cannot open the responses store"):
         ResponseStore.check(str(tmp_path / "text"))
+
+
+async def test_the_bound_is_per_tenant_one_tenant_never_pushes_out_another() -> None:
+    bound = 4000
+    store = opened(None, bound)
+    try:
+        await store.put("a", "resp_a", response("resp_a", "mine"), [])
+        for i in range(40):  # ten times the bound, by another tenant
+            await store.put("b", f"resp_b{i}", response(f"resp_b{i}", "x" * 300), [])
+        assert await store.get("a", "resp_a") is not None
+        kept_b = [i for i in range(40) if await store.get("b", f"resp_b{i}") is not None]
+        assert kept_b == list(range(40 - len(kept_b), 40)) and 5 <= len(kept_b) < 40  # b's newest
+        count, size = await store.usage()
+        assert count == len(kept_b) + 1 and size <= 2 * bound
+    finally:
+        store.close()
+
+
+async def test_a_file_from_before_gets_each_tenants_total(tmp_path: pathlib.Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)  # the schema before the per-tenant bound, with rows in it
+    db.executescript(
+        "CREATE TABLE responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT NULL, id TEXT NOT NULL,"
+        " response TEXT NOT NULL, context TEXT NOT NULL, size INTEGER NOT NULL, UNIQUE (tenant, id));"
+        "CREATE TABLE kept (one INTEGER PRIMARY KEY CHECK (one = 1), bytes INTEGER NOT NULL);"
+        "INSERT INTO kept VALUES (1, 0);"
+        "CREATE TRIGGER responses_added AFTER INSERT ON responses BEGIN UPDATE kept SET bytes = bytes + new.size; END;"
+        "INSERT INTO responses (tenant, id, response, context, size) VALUES ('a', 'r1', '{}', '[]', 1500);"
+        "INSERT INTO responses (tenant, id, response, context, size) VALUES ('a', 'r2', '{}', '[]', 1500);"
+        "INSERT INTO responses (tenant, id, response, context, size) VALUES ('b', 'r3', '{}', '[]', 1500);"
+    )
+    db.commit()
+    db.close()
+    store = opened(str(path), 4000)
+    try:
+        assert await store.usage() == (3, 4500)
+        await store.put("a", "r4", response("r4", "x" * 1200), [])  # over a's 4000: its oldest goes
+        assert await store.get("a", "r1") is None
+        assert await store.get("a", "r2") is not None and await store.get("b", "r3") is not None
+    finally:
+        store.close()
+
+
+async def test_a_response_deleted_while_being_made_is_not_kept() -> None:
+    store = opened(None, 1 << 20)
+    try:
+        store.begin("a", "resp_1")
+        assert not await store.delete("b", "resp_1")  # another tenant's: absent
+        assert await store.delete("a", "resp_1")  # it exists, being made: the delete is kept
+        assert not await store.put("a", "resp_1", response("resp_1", "late"), [])
+        assert await store.get("a", "resp_1") is None
+        store.end("a", "resp_1")  # idempotent
+        # Deleted while its write runs: the write completes, then the row goes.
+        store.begin("a", "resp_2")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.put, "a", "resp_2", response("resp_2", "x"), [])
+            await trio.lowlevel.checkpoint()
+            assert await store.delete("a", "resp_2")
+        assert await store.get("a", "resp_2") is None
+        # One not deleted is kept as always, and its entry is gone.
+        store.begin("a", "resp_3")
+        assert await store.put("a", "resp_3", response("resp_3", "x"), [])
+        assert await store.get("a", "resp_3") is not None
+        assert not store._pending
+    finally:
+        store.close()

@@ -64,7 +64,12 @@ async def create() -> Response:
         trace.log()
         raise
     head = render.head(req, parse.new_id("resp"), prepared.model.id)
-    keep = _keeper(state.responses, head["id"], context) if req.stored else None
+    owner = tenant()
+    keep = _keeper(state.responses, owner, head["id"], context) if req.stored else None
+
+    def ended() -> None:  # a delete while it was being made is forgotten with it
+        state.responses.end(owner, head["id"])
+
     if prepared.stream:
         dialect = stream.ResponsesStream(prepared, head)
 
@@ -75,12 +80,17 @@ async def create() -> Response:
                 except ApiError as exc:  # the answer is out already: it ends, not stored
                     logger.warning("response %s not stored: %s", head["id"], exc.message)
 
-        return streamed_response(prepared, dialect, trace, state.settings.ping_interval, before_closing=before_closing)
-    choice = (await collect(prepared, trace))[0]
-    output = render.whole_output(choice.text, choice.finish, prepared.tools)
-    answer = render.response(head, render.status_of(choice.finish), output, choice.usage)
-    if keep is not None:
-        await keep(answer)
+        return streamed_response(
+            prepared, dialect, trace, state.settings.ping_interval, before_closing=before_closing, on_end=ended
+        )
+    try:
+        choice = (await collect(prepared, trace))[0]
+        output = render.whole_output(choice.text, choice.finish, prepared.tools)
+        answer = render.response(head, render.status_of(choice.finish), output, choice.usage)
+        if keep is not None:
+            await keep(answer)
+    finally:
+        ended()
     return json_response(answer)
 
 
@@ -101,20 +111,23 @@ async def _context(store: ResponseStore, req: parse.ResponsesRequest) -> list[di
     """The items the model sees: with ``previous_response_id``, that response's context and
     output first (its instructions are not carried over, as with OpenAI)."""
     own = parse.input_items(req)
-    if req.previous_response_id is None:
-        return own
-    stored = await _stored(lambda: store.get(tenant(), req.previous_response_id or ""))
-    if stored is None:
-        message = f"no stored response {req.previous_response_id!r}"
-        raise ApiError(404, message, param="previous_response_id", code="not_found")
-    return [*stored.context, *render.context_of(stored.response), *own]
+    earlier: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        stored = await _stored(lambda: store.get(tenant(), req.previous_response_id or ""))
+        if stored is None:
+            message = f"no stored response {req.previous_response_id!r}"
+            raise ApiError(404, message, param="previous_response_id", code="not_found")
+        earlier = [*stored.context, *render.context_of(stored.response)]
+    parse.refuse_duplicate_ids(earlier, own)
+    return [*earlier, *own]
 
 
 def _keeper(
-    store: ResponseStore, id_: str, context: list[dict[str, Any]]
+    store: ResponseStore, owner: str, id_: str, context: list[dict[str, Any]]
 ) -> Callable[[dict[str, Any]], Awaitable[None]]:
-    """What stores the answer to the current request (in its tenant)."""
-    owner = tenant()
+    """What stores the answer to the current request in its tenant (``owner``); from now on a
+    delete of ``id_`` is kept (``ResponseStore.begin``) until the request ``end``s it."""
+    store.begin(owner, id_)
 
     async def keep(answer: dict[str, Any]) -> None:
         await _stored(lambda: store.put(owner, id_, answer, context))  # too large: not kept (logged)

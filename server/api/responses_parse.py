@@ -188,6 +188,18 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return items
 
 
+def refuse_duplicate_ids(earlier: list[dict[str, Any]], own: list[dict[str, Any]]) -> None:
+    """A 400 for an input item whose id an item before it already has (in the request, or in
+    the response it continues), as OpenAI refuses it: an id names one item (``input_items``
+    pages by it)."""
+    seen = {item["id"] for item in earlier}
+    for i, item in enumerate(own):
+        if item["id"] in seen:
+            message = f"input[{i}].id: {item['id']!r} is already the id of an earlier item of this conversation"
+            raise ApiError(400, message, param=f"input[{i}].id", code="invalid_value")
+        seen.add(item["id"])
+
+
 def _message(role: str, parts: list[dict[str, Any]], id_: str | None) -> dict[str, Any]:
     return {"type": "message", "id": id_ or new_id("msg"), "status": "completed", "role": role, "content": parts}
 

@@ -87,12 +87,14 @@ def streamed_response(
     ping_interval: float,
     *,
     before_closing: Callable[[], Awaitable[None]] | None = None,
+    on_end: Callable[[], None] | None = None,
 ) -> Response:
     """The ``text/event-stream`` response for ``prepared`` in ``dialect``; its job is submitted
     when Quart starts sending the body. ``before_closing`` is awaited once the job has ended
     well, after the dialect rendered its ``closing`` and before that is written: what a client
-    may do as soon as it reads the end (continue a stored response) is possible by then."""
-    body = _sse_body(prepared, dialect, trace, ping_interval, before_closing)
+    may do as soon as it reads the end (continue a stored response) is possible by then.
+    ``on_end`` is called as the body is left, for whatever reason, with the job released."""
+    body = _sse_body(prepared, dialect, trace, ping_interval, before_closing, on_end)
     return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -128,6 +130,7 @@ async def _sse_body(
     trace: Trace,
     ping_interval: float,
     before_closing: Callable[[], Awaitable[None]] | None,
+    on_end: Callable[[], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body. Leaving it for any reason (done, error, the client gone) releases the
     job; when it ends by itself it ends with the dialect's ``closing`` or ``failed``. After
@@ -177,6 +180,8 @@ async def _sse_body(
         prepared.lease.release()
         if transport is not None:
             transport.on_peer_closed(None)
+        if on_end is not None:
+            on_end()
         trace.log()
 
 
