@@ -210,6 +210,8 @@ def test_head_over_max_header_size_is_431(limited: ServerProcess) -> None:
     assert response.headers["connection"] == "close"
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert response.json()["error"]["code"] == "request_header_too_large"
+    response = httpx.get(limited.url + "/health?" + "q" * (2 * MAX_HEADER), timeout=10)  # the query counts
+    assert response.status_code == 431
     with socket.create_connection(("127.0.0.1", limited.port)) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n")
         for i in range(0, len(big), 1024):

@@ -21,7 +21,7 @@ import pytest
 import ffi
 from server.api.prompt import chat_tokens, text_tokens
 from tests.support.process import ServerProcess, serving
-from tests.support.rawhttp import closed_by_peer, read_head, request_bytes
+from tests.support.rawhttp import closed_by_peer, dechunk, http_get, read_head, request_bytes
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -287,6 +287,37 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(server: Ser
     head_bytes, _, payload = raw.partition(b"\r\n\r\n")
     assert b"connection: close" in head_bytes.lower()
     assert json.loads(payload)["error"]["code"] == "invalid_request"
+
+
+def test_bytes_after_a_last_request_do_not_end_its_answer(server: ServerProcess) -> None:
+    # A stray CRLF after an HTTP/1.0 body, or after a request that asked to close: the request
+    # is answered whole (h11 fails on any byte once the client must close, which ended it).
+    body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 24, "stream": True}
+    head = request_bytes("POST", "/v1/chat/completions", body, headers={"Connection": "close"})
+    with connect(server) as sock:
+        sock.sendall(head)
+        status, headers, start = read_head(sock)
+        assert status == 200 and headers["transfer-encoding"] == "chunked"
+        sock.sendall(b"\r\n")  # while the stream runs
+        raw = start + read_all(sock)
+    events = [line for line in dechunk(raw).split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    with connect(server) as sock:
+        sock.sendall(request_bytes("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4}, version="HTTP/1.0"))
+        time.sleep(0.05)
+        sock.sendall(b"\r\n")
+        raw = read_all(sock)
+    assert raw.startswith(b"HTTP/1.1 200 "), raw[:200]
+    assert json.loads(raw.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] >= 1
+
+
+def test_empty_lines_before_a_request_line_are_ignored(server: ServerProcess) -> None:
+    with connect(server) as sock:  # RFC 9112 section 2.2
+        assert http_get(sock, "/health")[0] == 200
+        sock.sendall(b"\r\n")
+        time.sleep(0.05)
+        assert http_get(sock, "/health")[0] == 200
 
 
 def test_websocket_upgrade_is_a_4xx_in_the_openai_shape(server: ServerProcess) -> None:

@@ -47,7 +47,8 @@ def _install_guards(app: QuartTrio, settings: Settings) -> None:
         # h11 bounds only a head that arrives in pieces; one that comes in a single read is
         # parsed whole, so the limit is checked here too.
         scope = request.scope
-        size = len(scope.get("raw_path", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        head = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+        size = head + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         if size > settings.max_header_size:
             message = f"request headers are larger than {settings.max_header_size} bytes"
             return ApiError(431, message, code="request_header_too_large", headers={"Connection": "close"}).response()

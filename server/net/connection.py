@@ -243,6 +243,10 @@ class Connection(TCPServer):
                     break
                 if self._closing:
                     break
+                if data:
+                    data = self._parseable(data)
+                    if not data:
+                        continue
                 if data and self._idle_since is not None:
                     self._head_started = True
                 await self.protocol.handle(RawData(data))
@@ -257,6 +261,24 @@ class Connection(TCPServer):
             await self._write(http2.REFUSAL)
             logger.info("refused an HTTP/2 connection (this server speaks HTTP/1.1 only)")
         await self.protocol.handle(Closed())
+
+    def _parseable(self, data: bytes) -> bytes:
+        """What of ``data`` h11 is to parse. Nothing once the client's last request is complete
+        (h11's ``MUST_CLOSE``: HTTP/1.0, ``Connection: close``): h11 fails on any byte then, and
+        Hypercorn would end the request being answered (a stray CRLF after an HTTP/1.0 body, a
+        client's second request on a connection it asked to close). And no empty lines before
+        a request line, which RFC 9112 asks a server to ignore and h11 refuses. Only what
+        arrives by itself is seen here: bytes already in h11's buffer (sent in one packet with
+        the request before them) still fail as before."""
+        connection = getattr(self.protocol.protocol, "connection", None)
+        if not isinstance(connection, h11.Connection):
+            return data
+        state = connection.their_state
+        if state is h11.MUST_CLOSE:
+            return b""
+        if state in (h11.IDLE, h11.DONE) and not connection.trailing_data[0]:
+            return data.lstrip(b"\r\n")
+        return data
 
     async def _probe_peer(self) -> bool:
         """At the client's end of input with a request in progress: write a probe (``peer``)
