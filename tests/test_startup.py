@@ -39,26 +39,31 @@ def test_the_start_leaves_out_what_only_some_requests_need() -> None:
     assert out.stdout.split() == ["True", "True", "True"]
 
 
-# Imported once the server is ready (server.api.lazy), never by the start: pydantic and every
-# module built on it (the request models, the model list, the agent families).
+# Imported once the server is ready (server.api.lazy), never by the start: pydantic and the
+# modules built on it that every client uses (the request models, the model list); the agent
+# families' modules only by their first request.
 _LATER = (
     "import sys\n"
     "import server.__main__, server.serve.lifecycle, server.serve.restart, server.store\n"
     "from server.api import lazy\n"
     "names = ['pydantic', *lazy.deferred_names()]\n"
-    "print(*(n in sys.modules for n in names))\n"
+    "families = [f'server.api.{f}_{p}' for f in ('anthropic', 'responses') for p in ('parse', 'render', 'stream')]\n"
+    "print(*(n in sys.modules for n in names + families))\n"
     "lazy.import_deferred()\n"
-    "print(*(n in sys.modules for n in names))\n"
+    "print(*(n in sys.modules for n in names + families))\n"
+    "from server.api import anthropic\n"
+    "anthropic.stream.AnthropicStream  # what a Messages stream reads first\n"
+    "print(*(n in sys.modules for n in families))\n"
 )
 
 
-def test_the_request_models_are_imported_after_the_start() -> None:
+def test_the_request_models_are_imported_after_the_start_and_the_families_at_first_use() -> None:
     out = subprocess.run([sys.executable, "-c", _LATER], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    before, after = (line.split() for line in out.stdout.splitlines())
-    assert len(before) >= 8  # pydantic, the schema, the model list and the families' six
-    assert set(before) == {"False"}
-    assert set(after) == {"True"}
+    before, after, used = (line.split() for line in out.stdout.splitlines())
+    assert before == ["False"] * 9  # pydantic, the schema, the model list, the families' six
+    assert after == ["True"] * 3 + ["False"] * 6
+    assert used[2:] == ["True", "False", "False", "False"]  # the stream (with what it imports); not the other family
 
 
 def test_a_deferred_module_is_the_module_itself_at_its_first_read(

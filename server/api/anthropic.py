@@ -30,12 +30,12 @@ if TYPE_CHECKING:
     from server.api import anthropic_parse as parse
     from server.api import anthropic_render as render
     from server.api import anthropic_stream as stream
-else:  # imported once the server is ready (server.api.lazy)
+else:  # imported by the family's first request (server.api.lazy)
     from server.api.lazy import deferred
 
-    parse = deferred("server.api.anthropic_parse")
-    render = deferred("server.api.anthropic_render")
-    stream = deferred("server.api.anthropic_stream")
+    parse = deferred("server.api.anthropic_parse", warm=False)
+    render = deferred("server.api.anthropic_render", warm=False)
+    stream = deferred("server.api.anthropic_stream", warm=False)
 
 anthropic = Blueprint("anthropic", __name__)
 

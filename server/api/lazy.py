@@ -5,8 +5,9 @@ families' parsers, renderers and streams are about 0.1 s of Python that every st
 before ``/health`` answers: more than llama.cpp's load of a small model, which runs beside the
 imports. The modules that use them hold a ``Deferred`` in their place: a stand-in whose
 attribute reads are the module's own, the first one importing it. Once the server is ready,
-``import_deferred`` imports every deferred module in a worker thread (the server's lifecycle
-calls it), so that the first request rarely finds one missing.
+``import_deferred`` imports the deferred modules that every client needs in a worker thread
+(the server's lifecycle calls it), so that the first request rarely waits for them; the agent
+families' (``warm=False``) wait for their first request.
 
 Thread safety is Python's own: ``Deferred`` imports with ``importlib.import_module``, so a read
 on the event loop while the worker thread is importing the module waits for that import to end,
@@ -56,13 +57,16 @@ class Deferred:
         return f"<deferred module {self._name!r}>"
 
 
-def deferred(name: str) -> Deferred:
-    """A stand-in for the module ``name``, imported at the first attribute read or by
-    ``import_deferred``. A name that does not exist raises ``ModuleNotFoundError`` now."""
+def deferred(name: str, *, warm: bool = True) -> Deferred:
+    """A stand-in for the module ``name``, imported at the first attribute read, or by
+    ``import_deferred`` unless ``warm`` is false (what only some clients use: imported just
+    after the start, it would share the GIL with the first requests for nothing). A name that
+    does not exist raises ``ModuleNotFoundError`` now."""
     spec = importlib.util.find_spec(name)
     if spec is None:
         raise ModuleNotFoundError(f"no module named {name!r}", name=name)
-    _DEFERRED[name] = None
+    if warm:
+        _DEFERRED[name] = None
     return Deferred(name)
 
 

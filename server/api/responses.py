@@ -32,12 +32,12 @@ if TYPE_CHECKING:
     from server.api import responses_parse as parse
     from server.api import responses_render as render
     from server.api import responses_stream as stream
-else:  # imported once the server is ready (server.api.lazy)
+else:  # imported by the family's first request (server.api.lazy)
     from server.api.lazy import deferred
 
-    parse = deferred("server.api.responses_parse")
-    render = deferred("server.api.responses_render")
-    stream = deferred("server.api.responses_stream")
+    parse = deferred("server.api.responses_parse", warm=False)
+    render = deferred("server.api.responses_render", warm=False)
+    stream = deferred("server.api.responses_stream", warm=False)
 
 responses = Blueprint("responses", __name__)
 logger = logging.getLogger("llama_trio.api")
