@@ -33,7 +33,6 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeVar
 
 import trio
@@ -170,38 +169,36 @@ class ResponseStore:
         if self._pending.get(key):
             self.end(tenant, id_)
             return False
-        kept = await self._run(partial(self._put, tenant, id_, response, context))
+
+        def put(db: sqlite3.Connection) -> bool:
+            response_text = json.dumps(response, ensure_ascii=False)
+            context_text = json.dumps(context, ensure_ascii=False)
+            size = len(response_text.encode()) + len(context_text.encode())
+            if size > self.max_bytes:
+                logger.warning("response %s not stored: %d bytes, more than --responses-max-mb", id_, size)
+                return False
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(
+                    "INSERT INTO responses (tenant, id, response, context, size) VALUES (?, ?, ?, ?, ?)",
+                    (tenant, id_, response_text, context_text, size),
+                )
+                dropped = _trim(db, tenant, self.max_bytes)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            if dropped:
+                logger.debug(
+                    "responses store: %d oldest of a tenant dropped to stay within %d bytes", dropped, self.max_bytes
+                )
+            return True
+
+        kept = await self._run(put)
         if self._pending.pop(key, False) and kept:  # deleted while it was being written
             await self.delete(tenant, id_)
             return False
         return kept
-
-    def _put(
-        self, tenant: str, id_: str, response: dict[str, Any], context: list[dict[str, Any]], db: sqlite3.Connection
-    ) -> bool:
-
-        response_text = json.dumps(response, ensure_ascii=False)
-        context_text = json.dumps(context, ensure_ascii=False)
-        size = len(response_text.encode()) + len(context_text.encode())
-        if size > self.max_bytes:
-            logger.warning("response %s not stored: %d bytes, more than --responses-max-mb", id_, size)
-            return False
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            db.execute(
-                "INSERT INTO responses (tenant, id, response, context, size) VALUES (?, ?, ?, ?, ?)",
-                (tenant, id_, response_text, context_text, size),
-            )
-            dropped = _trim(db, tenant, self.max_bytes)
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        if dropped:
-            logger.debug(
-                "responses store: %d oldest of a tenant dropped to stay within %d bytes", dropped, self.max_bytes
-            )
-        return True
 
     async def get(self, tenant: str, id_: str) -> Stored | None:
         """``tenant``'s response ``id_``, or None (never stored, dropped, deleted, or another's)."""

@@ -4,6 +4,7 @@ hot restart's two processes share it) and close."""
 from __future__ import annotations
 
 import pathlib
+import sqlite3
 
 import pytest
 import trio
@@ -122,8 +123,6 @@ async def test_the_bound_is_per_tenant_one_tenant_never_pushes_out_another() -> 
 
 
 async def test_a_file_from_before_gets_each_tenants_total(tmp_path: pathlib.Path) -> None:
-    import sqlite3
-
     path = tmp_path / "old.db"
     db = sqlite3.connect(path)  # the schema before the per-tenant bound, with rows in it
     db.executescript(

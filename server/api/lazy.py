@@ -16,9 +16,9 @@ as any import does across threads, and never sees a module half run. (The standa
 so it is not used.)
 
 A deferred module built on pydantic ends with ``build_models(globals())``: its models'
-validators (``defer_build`` leaves them to their first use) are built by its import, so in the
-warm-up thread and under the import's lock, where no request races the build; the first build
-also reads every installed package's entry points (pydantic's plugins), about 0.1 s here.
+validators (``defer_build`` leaves them to their first use) are built by its import, under the
+import's lock (in the warm-up thread, or a family's first request), where no request races the
+build; the first build also reads every installed package's entry points (pydantic's plugins).
 
 A module that uses one writes, for mypy's sake::
 

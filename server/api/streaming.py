@@ -130,7 +130,7 @@ async def _sse_body(
     trace: Trace,
     ping_interval: float,
     before_closing: Callable[[], Awaitable[None]] | None,
-    on_end: Callable[[], None] | None = None,
+    on_end: Callable[[], None] | None,
 ) -> AsyncIterator[bytes]:
     """The SSE body. Leaving it for any reason (done, error, the client gone) releases the
     job; when it ends by itself it ends with the dialect's ``closing`` or ``failed``. After

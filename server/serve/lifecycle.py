@@ -267,8 +267,8 @@ class Service:
             self.ready_fd = None
         else:
             sdnotify.notify("READY=1", f"STATUS=serving on {self.address}")
-        # What only requests need (the request models, the agent families), imported now that
-        # /health answers rather than before: a request that comes first waits for it.
+        # What every client's requests need (the request models, the model list), imported now
+        # that /health answers rather than before: a request that comes first waits for it.
         try:
             await trio.to_thread.run_sync(import_deferred)
         except Exception:
