@@ -138,20 +138,25 @@ def curl_streams(url: str, body: dict[str, Any], count: int) -> Iterator[list[Cu
 
 
 class HttpxStream(threading.Thread):
-    """One streamed chat completion through httpx in a thread; events are timestamped."""
+    """One streamed chat completion through httpx in a thread; events are timestamped. With
+    ``client``, on that client's pooled connection, which stays open after the body (as an SDK's
+    does) until the client is closed."""
 
-    def __init__(self, url: str, body: dict[str, Any]) -> None:
+    def __init__(self, url: str, body: dict[str, Any], *, client: httpx.Client | None = None) -> None:
         super().__init__(daemon=True)
         self.url = url
         self.body = body
+        self.client = client
+        self.ended_at: float | None = None
         self.events: list[tuple[float, str]] = []
         self.error: BaseException | None = None
         self.first_text = threading.Event()
         self.start()
 
     def run(self) -> None:
+        url = self.url + "/v1/chat/completions"
         try:
-            with httpx.stream("POST", self.url + "/v1/chat/completions", json=self.body, timeout=GUARD) as response:
+            with (self.client or httpx).stream("POST", url, json=self.body, timeout=GUARD) as response:
                 assert response.status_code == 200
                 for line in response.iter_lines():
                     payload = sse.data_of(line)
@@ -159,6 +164,7 @@ class HttpxStream(threading.Thread):
                         self.events.append((time.monotonic(), payload))
                         if sse.chunk_text(payload):
                             self.first_text.set()
+            self.ended_at = time.monotonic()
         except BaseException as exc:  # reported by the test
             self.error = exc
         finally:
@@ -302,6 +308,34 @@ def test_drain_timeout_ends_streams_with_error_event_and_done() -> None:
                 assert stream.ended_at >= deadline - 0.1, "ended before the drain deadline"
                 assert stream.texts_after(signalled) > 0, "the stream did not run during the drain"
         assert proc.wait(GUARD) == 0, proc.log
+
+
+def test_pooled_clients_do_not_hold_the_exit_past_the_final_write_grace() -> None:
+    """Clients that keep their connection in a pool after ``[DONE]`` (every SDK does) never
+    close it. After the drain deadline the server writes the final events, closes without
+    waiting for those clients, and exits within the second given to final writes."""
+    with server("--parallel", "2", "--ctx-size", "4608", "--drain-timeout", "1") as proc:
+        proc.wait_ready()
+        clients = [httpx.Client() for _ in range(2)]
+        try:
+            streams = [HttpxStream(proc.url, chat_body(2000), client=client) for client in clients]
+            for stream in streams:
+                assert stream.first_text.wait(GUARD)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(GUARD) == 0, proc.log
+            exited = time.monotonic() - signalled
+            for stream in streams:
+                stream.join(GUARD)
+                assert stream.error is None, stream.error
+                payloads = [payload for _, payload in stream.events]
+                assert payloads[-1] == "[DONE]", payloads[-3:]
+                assert json.loads(payloads[-2]) == {"error": SHUTTING_DOWN}, payloads[-3:]
+        finally:
+            for client in clients:
+                client.close()
+    # 1 s of drain, then at most 1 s for final writes (server/serve/lifecycle.py's FINAL_WRITE_GRACE).
+    assert exited <= 2.0, f"exited {exited:.2f} s after SIGTERM"
 
 
 # -- 5. a second signal ends the drain at once --------------------------------------------------

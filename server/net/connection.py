@@ -14,9 +14,9 @@ client that stops reading is cut after ``write_timeout``, or at the deadline giv
 A write that fits in the socket's send buffer (nearly every SSE event) goes out in one plain
 non-blocking ``send`` first; only what is left takes trio's guarded path.
 
-During a drain, a connection whose last response is done waits a moment for its client to
-close first (``CLOSE_LINGER``): the side that closes first keeps the TIME_WAIT, and one on the
-server's port makes a plain ``bind`` of that port fail after we exit. A connection closed right
+During a drain, until its deadline, a connection whose last response is done waits a moment
+for its client to close first (``CLOSE_LINGER``): the side that closes first keeps the
+TIME_WAIT, and one on the server's port makes a plain ``bind`` of that port fail after we exit. A connection closed right
 after an answer lingers (``LINGER_*``): what the client still sends is discarded until it
 closes, so that it reads the answer rather than a reset.
 
@@ -69,6 +69,10 @@ CLOSE_LINGER = 0.5
 LINGER_IDLE = 0.5
 LINGER_TOTAL = 5.0
 LINGER_BYTES = 8 * 1024 * 1024
+# After the drain's deadline (``cut``) a connection closes as soon as its final event is out: no
+# wait for the client to close first (a pooled keep-alive client never does), and the lingering
+# close ends after this much quiet, so that the process exits within the final-write grace.
+CUT_LINGER_IDLE = 0.1
 MAX_RECV = 64 * 1024
 
 
@@ -87,7 +91,7 @@ class Connection(TCPServer):
         self._had_request = False  # a request head was complete on it
         self._head_started = False  # bytes of a request head arrived since it was last idle
         self._wake = trio.Event()
-        self._hard_deadline = math.inf
+        self._hard_deadline = math.inf  # set by ``cut``
         self._write_scope: trio.CancelScope | None = None
         self._scope: trio.CancelScope | None = None
         # The plain TCP socket, for the fast path of ``_write``; None for anything else.
@@ -178,8 +182,8 @@ class Connection(TCPServer):
         with trio.CancelScope(shield=True):
             if not self._closing:
                 self._closing = True
-                if self._draining:
-                    await self._wait_for_client_close(min(trio.current_time() + CLOSE_LINGER, self._hard_deadline))
+                if self._draining and self._hard_deadline == math.inf:
+                    await self._wait_for_client_close(trio.current_time() + CLOSE_LINGER)
                 if self._wrote_since_idle:
                     await self._linger()
             await super()._close()
@@ -192,12 +196,13 @@ class Connection(TCPServer):
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             await self.stream.send_eof()
         deadline = min(trio.current_time() + LINGER_TOTAL, self._hard_deadline)
-        await self._wait_for_client_close(deadline, discard=LINGER_BYTES)
+        quiet = LINGER_IDLE if self._hard_deadline == math.inf else CUT_LINGER_IDLE
+        await self._wait_for_client_close(deadline, discard=LINGER_BYTES, quiet=quiet)
 
-    async def _wait_for_client_close(self, deadline: float, *, discard: int = 0) -> None:
+    async def _wait_for_client_close(self, deadline: float, *, discard: int = 0, quiet: float = LINGER_IDLE) -> None:
         """Wait until the client has closed its side, at most until ``deadline``. With
         ``discard``, up to that many bytes it sends meanwhile are read and dropped, and a pause
-        of ``LINGER_IDLE`` ends the wait; without, any byte ends it (it is not ours to read)."""
+        of ``quiet`` seconds ends the wait; without, any byte ends it (it is not ours to read)."""
         fd = self._socket.fileno() if self._socket is not None else -1
         if fd < 0:
             return
@@ -206,7 +211,7 @@ class Connection(TCPServer):
         except OSError:  # out of descriptors: close without waiting
             return
         with socket.socket(fileno=duplicate) as sock:
-            quiet_until = trio.current_time() + LINGER_IDLE if discard else math.inf
+            quiet_until = trio.current_time() + quiet if discard else math.inf
             while True:
                 try:
                     data = sock.recv(
@@ -225,7 +230,7 @@ class Connection(TCPServer):
                 discard -= len(data)
                 if discard <= 0:
                     return
-                quiet_until = trio.current_time() + LINGER_IDLE
+                quiet_until = trio.current_time() + quiet
 
     async def _read_data(self) -> None:
         """Hypercorn's read loop, with three differences: HTTP/2 is refused (``http2``); the
