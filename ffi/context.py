@@ -184,6 +184,9 @@ class Context:
         params.n_threads_batch = n_threads_batch or n_threads
         params.kv_unified = kv_unified
         params.no_perf = True
+        self._interrupted: Any = ffi.new("int32_t *")  # lives as long as the context: llama.cpp reads it
+        params.abort_callback = lib.llama_trio_flag_cb
+        params.abort_callback_data = self._interrupted
         with log_lines() as lines:
             ptr = lib.llama_init_from_model(model.ptr, params)
         if ptr == ffi.NULL:
@@ -233,6 +236,17 @@ class Context:
         raw = batch.raw
         raw.n_tokens = batch.n_tokens
         check_decode(lib.llama_decode(self.ptr, raw))
+
+    def interrupt(self) -> None:
+        """Stop the decode in progress, from any thread: on the CPU backend it ends at the next
+        node of its graph and raises ``DecodeAbortedError`` (the positions of the ubatch it was
+        on leave the KV memory; earlier ubatches of its batch stay). Every later decode stops at
+        once too, until ``resume``. A backend that cannot stop (CUDA) finishes the decode."""
+        lib.llama_trio_flag_store(self._interrupted, 1)
+
+    def resume(self) -> None:
+        """Let decodes run again after ``interrupt``."""
+        lib.llama_trio_flag_store(self._interrupted, 0)
 
     # -- KV memory, per sequence -------------------------------------------------------------
 

@@ -299,3 +299,18 @@ static bool llama_trio_progress_cb(float progress, void *user_data)
     __atomic_load(&p->aborted, &aborted, __ATOMIC_RELAXED);
     return !aborted;
 }
+
+/* A context's interrupt flag, as llama.cpp's abort callback (``Context.interrupt``): the CPU
+ * backend asks it between the nodes of a decode's graph, and a decode that sees it set stops
+ * there (llama_decode returns 2). Set and cleared from Python in any thread. */
+static bool llama_trio_flag_cb(void *data)
+{
+    int32_t set;
+    __atomic_load((int32_t *)data, &set, __ATOMIC_RELAXED);
+    return set != 0;
+}
+
+static void llama_trio_flag_store(int32_t *flag, int32_t value)
+{
+    __atomic_store(flag, &value, __ATOMIC_RELAXED);
+}

@@ -257,6 +257,8 @@ struct llama_trio_progress {
     void * report_data;
 };
 bool llama_trio_progress_cb(float progress, void * user_data);
+bool llama_trio_flag_cb(void * data);
+void llama_trio_flag_store(int32_t * flag, int32_t value);
 
 /* callbacks implemented in Python (ffi/_lib.py) */
 extern "Python" void _llama_trio_log(enum ggml_log_level, const char *, void *);

@@ -46,6 +46,11 @@ class _EngineCollector(Collector):
                 "embeddings requests ended before all their inputs were embedded (the client gone, the drain)",
                 value=embedder.ended_early,
             )
+            yield CounterMetricFamily(
+                "llama_trio_embeddings_interrupted_decodes",
+                "embeddings decodes stopped part-way because their request ended",
+                value=embedder.interrupted,
+            )
         stats = self._stats()
         if stats is None:
             return
@@ -73,6 +78,11 @@ class _EngineCollector(Collector):
             "llama_trio_chained_steps",
             "decode steps the decode thread went on to without waiting for the engine task",
             value=stats.chained_steps,
+        )
+        yield CounterMetricFamily(
+            "llama_trio_interrupted_steps",
+            "decode steps stopped part-way because no job in them was wanted any more",
+            value=stats.interrupted_steps,
         )
         yield CounterMetricFamily(
             "llama_trio_constrained_tokens", "tokens sampled under a grammar", value=stats.constrained_tokens

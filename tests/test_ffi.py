@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import pathlib
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -276,6 +278,49 @@ def test_truncated_gguf_raises(tmp_path: pathlib.Path, model_path: pathlib.Path)
         truncated.write_bytes(src.read(2 * 1024 * 1024))
     with pytest.raises(ffi.ModelLoadError):
         ffi.Model(truncated)
+
+
+def test_interrupt_stops_a_decode_from_another_thread_and_resume_lets_decodes_run(model: ffi.Model) -> None:
+    """``interrupt`` ends a decode in progress (or the next one) with ``DecodeAbortedError``;
+    only whole ubatches before the one it stopped stay in the KV memory; after ``resume`` the
+    same context decodes again as if nothing happened."""
+    prompt = (model.vocab.tokenize(PROMPT) * 200)[:2000]
+    with (
+        ffi.Context(model, n_ctx=2048, n_batch=2048, n_ubatch=256, n_seq_max=1, n_threads=1) as context,
+        ffi.Batch(len(prompt)) as batch,
+    ):
+        batch.add_run(prompt[:8], 0, 0, logits_last=True)
+        context.interrupt()  # before the decode: it stops at its first node
+        with pytest.raises(ffi.DecodeAbortedError):
+            context.decode(batch)
+        assert context.seq_cells(0) == 0
+        context.resume()
+        batch.clear()
+        batch.add_run(prompt, 0, 0, logits_last=True)
+        outcome: list[BaseException | None] = []
+
+        def decode() -> None:
+            try:
+                context.decode(batch)
+                outcome.append(None)
+            except ffi.DecodeError as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=decode)
+        thread.start()
+        time.sleep(0.05)
+        context.interrupt()
+        thread.join(60)
+        assert len(outcome) == 1 and isinstance(outcome[0], ffi.DecodeAbortedError), outcome
+        kept = context.seq_cells(0)
+        assert kept % 256 == 0 and kept < len(prompt), kept
+        assert context.seq_pos_max(0) == kept - 1
+        context.resume()
+        context.seq_rm(0)
+        batch.clear()
+        batch.add_run(prompt[:8], 0, 0, logits_last=True)
+        context.decode(batch)
+        assert context.seq_cells(0) == 8
 
 
 def test_close_is_idempotent_and_use_after_close_raises(model_path: pathlib.Path) -> None:

@@ -19,7 +19,10 @@ have planned exactly it (``next_plan``):
 - the engine task has taken every earlier step's outcome (the thread runs at most one step
   ahead of it, so a starved event loop stops the chain rather than piling up pieces).
 
-So a released job is decoded in no step that begins after its release is seen, as before.
+So a released job is decoded in no step that begins after its release is seen, as before; and
+a step in progress none of whose jobs is wanted any more stops part-way
+(``Chain.interrupt_if_abandoned``: a long prompt chunk of a client that left, the drain's
+deadline).
 """
 
 from __future__ import annotations
@@ -40,17 +43,36 @@ class Chain:
     """What the engine task and the decode thread share about chaining; plain attributes, each
     written by one side while a step runs (the engine task zeroes the counts between calls)."""
 
-    __slots__ = ("enabled", "attention", "posted", "taken", "steps")
+    __slots__ = ("enabled", "attention", "posted", "taken", "steps", "running", "_context")
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, context: ffi.Context) -> None:
         self.enabled = enabled
+        self._context = context
         self.attention = False  # engine side: something needs the engine task; stop chaining
         self.posted = 0  # thread side: steps posted
         self.taken = 0  # engine side: steps taken
         self.steps = 0  # thread side: steps run, for the KV statistics' cadence
+        self.running: list[PlanEntry] = []  # engine side: the plan handed to the thread, while it runs
+
+    def begin(self, plan: list[PlanEntry]) -> None:
+        """Engine side, as ``plan`` goes to the thread: zero the counts; decodes may run."""
+        self.taken = self.posted = 0
+        self.running = plan
+        self._context.resume()
 
     def stop(self) -> None:
+        """The engine task is cancelled: no more chained steps, and the decode in progress
+        stops part-way (every job ends with the engine)."""
         self.attention = True
+        self._context.interrupt()
+
+    def interrupt_if_abandoned(self, slots: Sequence[Slot]) -> None:
+        """Stop the decode in progress part-way when no job in its step is wanted any more
+        (clients gone, or the drain's deadline ended them): its work would be thrown away.
+        Those jobs' sequences are freed whole, so the KV cells the interrupted decode leaves
+        behind go with them (the step comes back as ``ChainFailed``)."""
+        if self.running and all((c := slots[e.slot].choice) is None or c.released for e in self.running):
+            self._context.interrupt()
 
 
 @dataclass(slots=True)

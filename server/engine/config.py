@@ -70,6 +70,7 @@ class EngineStats:
     forced_tokens: int = 0  # forced by a grammar: appended without sampling (fast-forward)
     constraint_seconds: float = 0.0  # their masks and grammar steps, in the decode thread
     chained_steps: int = 0  # steps the decode thread ran on to by itself (``chain``)
+    interrupted_steps: int = 0  # stopped part-way: no job in them was wanted any more
     last_step_seconds: float = 0.0
     requests_finished: int = 0
     # The host-memory prompt cache (``prompt_cache.HostCache``)
@@ -92,3 +93,4 @@ class EmbedderStats:
     requests: int = 0  # in progress: embedding, or waiting for their turn
     inputs: int = 0  # inputs embedded, all requests together
     ended_early: int = 0  # requests that ended before all their inputs were embedded
+    interrupted: int = 0  # decodes stopped part-way because their request ended

@@ -60,10 +60,19 @@ class DecodeThread:
         self._posts.append(item)
         self._done_send.send(_POSTED)
 
-    async def run(self, fn: Callable[..., Any], *args: Any, meanwhile: Callable[[], None] | None = None) -> Any:
+    async def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        meanwhile: Callable[[], None] | None = None,
+        stop: Callable[[], None] | None = None,
+    ) -> Any:
         """``fn(*args)`` in the thread; ``meanwhile()``, when given, runs here (synchronously)
-        once the call is handed over, while it runs."""
-        return await self.run_posting(_without_posts, fn, args, take=_take_nothing, stop=_nothing, meanwhile=meanwhile)
+        once the call is handed over, while it runs. ``stop()``, when given, is called if the
+        caller is cancelled meanwhile, to ask ``fn`` to return soon (``Context.interrupt``)."""
+        return await self.run_posting(
+            _without_posts, fn, args, take=_take_nothing, stop=stop or _nothing, meanwhile=meanwhile
+        )
 
     async def run_posting(
         self,

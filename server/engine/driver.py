@@ -86,7 +86,7 @@ class Engine:
         self.stats = EngineStats()
         self._closed = False
         self._outbox = Outbox()
-        self._chain = chain.Chain(config.chain_steps)
+        self._chain = chain.Chain(config.chain_steps, self.context)
         self._mask = ffi.TokenMask(self.vocab.n_tokens)  # scratch for constrained sampling
         self._placer = Placer(self.context, self.stats, config.cache_bytes)
         # Tokens a grammar may force into one sequence's run: every sequence's run fits a step.
@@ -145,6 +145,7 @@ class Engine:
     def _wake(self) -> None:
         self._chain.attention = True
         self._wakeup.set()
+        self._chain.interrupt_if_abandoned(self._slots)
 
     # -- shutdown hooks for the lifecycle ------------------------------------------------------
 
@@ -205,7 +206,7 @@ class Engine:
                     continue
                 # What the last step produced goes out while this one decodes; then the steps
                 # the thread chains after it (``chain``), each handed out as it comes.
-                self._chain.taken = self._chain.posted = 0
+                self._chain.begin(plan)
                 last = await self._thread.run_posting(
                     chain.run_chain,
                     *(self.context, self._batch, self._slots, plan, self._mask, self._max_forced, self.n_ctx_seq),
@@ -214,6 +215,7 @@ class Engine:
                     stop=self._chain.stop,
                     meanwhile=self._outbox.hand_out,
                 )
+                self._chain.running = []
                 if isinstance(last, chain.ChainFailed):
                     self._fail_step(last.plan, last.error)
                 else:
@@ -380,7 +382,10 @@ class Engine:
             self._free_slot(out.slot, keep_cache=True)
 
     def _fail_step(self, plan: list[scheduler.PlanEntry], exc: ffi.DecodeError) -> None:
-        logger.error("decode failed: %s; ending the %d jobs in that step", exc, len(plan))
+        if isinstance(exc, ffi.DecodeAbortedError):  # interrupted: its jobs are gone already
+            self.stats.interrupted_steps += 1
+        else:
+            logger.error("decode failed: %s; ending the %d jobs in that step", exc, len(plan))
         for entry in plan:
             choice = self._slots[entry.slot].choice
             if choice is not None:

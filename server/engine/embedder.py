@@ -57,8 +57,8 @@ class Embedder:
         """One unit vector per input (each 1 to ``max_tokens`` tokens), in order. Raises the
         ``EngineError`` of ``fail_waiting`` or ``abort_all`` when they end it.
 
-        *Cancellation*: between decodes; a decode in progress is waited for (never abandoned),
-        and the sequences are cleared either way.
+        *Cancellation*: a decode in progress stops part-way (``Context.interrupt``) and is
+        waited for (never abandoned); the sequences are cleared either way.
         """
         if self._refusal is not None:
             raise self._refusal
@@ -71,7 +71,8 @@ class Embedder:
                 async with self._lock:
                     call.running = True
                     for group in _pack(inputs, self._context.n_batch, self._context.n_seq_max):
-                        out += await self._thread.run(self._decode, group)
+                        self._context.resume()
+                        out += await self._thread.run(self._decode, group, stop=self._context.interrupt)
                         self.stats.inputs += len(group)
                 return out
         finally:
@@ -90,8 +91,8 @@ class Embedder:
                 call.scope.cancel()
 
     def abort_all(self, error: EngineError) -> None:
-        """End every call with ``error``, running ones after their decode in progress; later
-        calls too."""
+        """End every call with ``error``, running ones once their decode in progress has
+        stopped (part-way); later calls too."""
         self._refusal = error
         for call in self._calls:
             call.error = error
@@ -99,7 +100,7 @@ class Embedder:
 
     async def idle(self) -> None:
         """Return once no call has the embedder (after ``abort_all``: once the decode in
-        progress, which is never abandoned, has ended).
+        progress, which is never abandoned, has stopped).
 
         *Cancellation*: safe at any point.
         """
@@ -113,7 +114,11 @@ class Embedder:
         try:
             for seq_id, tokens in enumerate(group):
                 batch.add_run(tokens, 0, seq_id, logits_last=True)
-            context.decode(batch)
+            try:
+                context.decode(batch)
+            except ffi.DecodeAbortedError:  # its caller was cancelled (``embed``) and hears nothing of it
+                self.stats.interrupted += 1
+                raise
             return [_unit(context.embedding(seq_id)) for seq_id in range(len(group))]
         finally:
             context.clear()

@@ -16,9 +16,9 @@ non-blocking ``send`` first; only what is left takes trio's guarded path.
 
 During a drain, until its deadline, a connection whose last response is done waits a moment
 for its client to close first (``CLOSE_LINGER``): the side that closes first keeps the
-TIME_WAIT, and one on the server's port makes a plain ``bind`` of that port fail after we exit. A connection closed right
-after an answer lingers (``LINGER_*``): what the client still sends is discarded until it
-closes, so that it reads the answer rather than a reset.
+TIME_WAIT, and one on the server's port makes a plain ``bind`` of that port fail after we exit.
+A connection closed right after an answer lingers (``LINGER_*``): what the client still sends
+is discarded until it closes, so that it reads the answer rather than a reset.
 
 HTTP/1.1 only: HTTP/2 is refused (``http2``).
 
