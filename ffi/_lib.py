@@ -32,6 +32,10 @@ _LEVELS = {
     lib.GGML_LOG_LEVEL_ERROR: logging.ERROR,
 }
 
+# Warnings llama.cpp writes for what we asked for, logged at DEBUG: a decode stopped by
+# ``Context.interrupt`` drops the positions of the ubatch it was on.
+_EXPECTED = ("decode: removing memory module entries",)
+
 
 class _Lines:
     """llama.cpp writes a line in pieces (level CONT for the tail): joins them, so that each log
@@ -54,7 +58,8 @@ class _Lines:
                 if self.tap is not None:
                     self.tap.append((self.level, line.rstrip()))
                 if not logged:
-                    log.log(self.level, "%s", line.rstrip())
+                    level = logging.DEBUG if line.startswith(_EXPECTED) else self.level
+                    log.log(level, "%s", line.rstrip())
 
 
 _threads = threading.local()  # each thread's _Lines, and whether it captures

@@ -88,6 +88,28 @@ def test_a_client_that_closes_frees_its_sequence(server: ServerProcess, kind: st
     assert m["llama_trio_kv_cells_used"] == m["llama_trio_kv_cells_cached"]
 
 
+def test_a_client_that_closes_during_a_long_prompt_chunk_stops_it_part_way() -> None:
+    """A 1700-token prompt decoded in one step on one thread (seconds on any CPU): the client
+    leaves during it, and that step stops part-way rather than run to its end."""
+    args = ["--parallel", "1", "--ctx-size", "4096", "--batch-size", "2048", "--threads", "1"]
+    with serving(args) as proc:
+        body = {"prompt": "word " * 1700, "max_tokens": 4, "stream": True}
+        sock = send(proc, "/v1/completions", body)
+        # Active from its admission: its one step is under way.
+        wait_for(lambda: proc.metrics()["llama_trio_active_sequences"] == 1, "the prompt to be decoding", 60)
+        time.sleep(0.1)
+        close_with_fin(sock)
+        wait_for(lambda: proc.metrics()["llama_trio_active_sequences"] == 0, "the sequence to be freed", 60)
+        m = proc.metrics()
+        assert m["llama_trio_interrupted_steps_total"] == 1
+        assert m["llama_trio_cancellations_total{phase=prefill}"] == 1
+        assert m["llama_trio_tokens_total{kind=prompt}"] == 0  # the prompt never completed
+        assert m["llama_trio_kv_cells_used"] == m["llama_trio_kv_cells_cached"] == 0
+        # The server answers on.
+        response = httpx.post(proc.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+        assert response.status_code == 200
+
+
 def test_a_client_that_closes_stops_its_embeddings(server: ServerProcess) -> None:
     before = server.metrics()
     sock = send(server, "/v1/embeddings", BIG_EMBEDDING)

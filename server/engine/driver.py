@@ -293,7 +293,7 @@ class Engine:
                 self._tick += 1
                 member.start(slots[member], sampler, self.vocab, self._tick)
         self._queue.extendleft(reversed(waiting))
-        self.stats.queued = len(self._queue)
+        self._update_stats(kv=False)  # the jobs just admitted count as active during their first step
 
     def _plan(self) -> list[scheduler.PlanEntry]:
         decoding: list[tuple[int, int]] = []
