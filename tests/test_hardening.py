@@ -338,6 +338,45 @@ def test_websocket_upgrade_is_a_4xx_in_the_openai_shape(server: ServerProcess) -
     assert "Traceback" not in server.log
 
 
+@pytest.mark.parametrize(
+    ("raw", "status", "code", "says"),
+    [
+        (
+            b"GET /health HTTP/1.1\r\nHost: test\r\nno colon here\r\n\r\n",
+            400,
+            "malformed_request",
+            "illegal header line",
+        ),
+        (b"GARBAGE\r\n\r\n", 400, "malformed_request", "illegal request line"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: gzip\r\n\r\n",
+            501,
+            "not_implemented",
+            "Transfer-Encoding",
+        ),
+    ],
+    ids=["header-line", "request-line", "transfer-encoding"],
+)
+def test_requests_h11_refuses_get_a_body_that_says_why(
+    server: ServerProcess, raw: bytes, status: int, code: str, says: str
+) -> None:
+    """Hypercorn answered these with an empty body; the client now reads what was wrong."""
+    with connect(server) as sock:
+        sock.sendall(raw)
+        got, headers, body = read_head(sock)
+        while len(body) < int(headers["content-length"]):
+            body += sock.recv(65536)
+        assert headers["connection"] == "close"
+        wait_for(lambda: closed_by_peer(sock), "the connection to close", 5)
+    assert got == status
+    assert headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and says in error["message"], error
+    assert "bytearray" not in error["message"]
+    assert "Traceback" not in server.log
+
+
 def test_cors_preflight_reflects_requested_headers_and_varies_on_origin(server: ServerProcess) -> None:
     requested = "authorization, content-type, x-stainless-os, x-stainless-retry-count"
     preflight = httpx.options(

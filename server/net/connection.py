@@ -50,7 +50,7 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
-from server.net import http2, peer
+from server.net import http2, peer, protocol_errors
 from server.net.transport import ChunkWriter, current_transport
 
 logger = logging.getLogger("llama_trio.net")
@@ -233,13 +233,14 @@ class Connection(TCPServer):
                 quiet_until = trio.current_time() + quiet
 
     async def _read_data(self) -> None:
-        """Hypercorn's read loop, with three differences: HTTP/2 is refused (``http2``); the
+        """Hypercorn's read loop, with four differences: HTTP/2 is refused (``http2``); a
+        request h11 refuses is answered with a body that says why (``protocol_errors``); the
         end of the client's input does not end a request in progress unless a probe shows the
-        client is gone (``peer``); and once the connection is closing, what arrives is not
-        parsed."""
+        client is gone (``peer``); and once the connection is closing, what arrives is not parsed."""
         protocol = self.protocol.protocol
         if isinstance(protocol, H11Protocol):
             protocol._check_protocol = http2.check_protocol  # type: ignore[method-assign]
+            protocol_errors.install(protocol)
         try:
             while not self._closing:
                 try:
