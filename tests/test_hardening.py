@@ -312,6 +312,22 @@ def test_bytes_after_a_last_request_do_not_end_its_answer(server: ServerProcess)
     assert json.loads(raw.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.parametrize("version", ["HTTP/1.0", "HTTP/1.1"])
+def test_bytes_in_the_same_packet_after_a_last_request_do_not_end_its_answer(
+    server: ServerProcess, version: str
+) -> None:
+    """As above, with the CRLF sent with the request (one ``send``: it reaches h11 together
+    with the body), which gave a 400 in place of the answer."""
+    body = {"prompt": "Hi", "max_tokens": 4}
+    raw = request_bytes("POST", "/v1/completions", body, version=version, headers={"Connection": "close"})
+    with connect(server) as sock:
+        sock.sendall(raw + b"\r\n")
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] >= 1
+
+
 def test_empty_lines_before_a_request_line_are_ignored(server: ServerProcess) -> None:
     with connect(server) as sock:  # RFC 9112 section 2.2
         assert http_get(sock, "/health")[0] == 200

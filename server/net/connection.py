@@ -275,7 +275,7 @@ class Connection(TCPServer):
         client's second request on a connection it asked to close). And no empty lines before
         a request line, which RFC 9112 asks a server to ignore and h11 refuses. Only what
         arrives by itself is seen here: bytes already in h11's buffer (sent in one packet with
-        the request before them) still fail as before."""
+        the request before them) are left there unread (``protocol_errors``)."""
         connection = getattr(self.protocol.protocol, "connection", None)
         if not isinstance(connection, h11.Connection):
             return data

@@ -3,6 +3,11 @@ over ``--max-header-size`` that arrived in pieces (one that comes at once is the
 Transfer-Encoding other than chunked. Hypercorn answers those with the status h11 suggests and
 an empty body; here the same status carries a JSON body in the server's error shape that says
 what was wrong. The connection then closes, as before.
+
+And one error h11 raises that is none: bytes after a request that ends the connection (an
+HTTP/1.0 request, ``Connection: close``) that came in the same packet as it, as a stray CRLF
+after an HTTP/1.0 body does. Hypercorn answered them with a 400 in place of the request's own
+answer; they are left unread now (``Connection._parseable`` drops those that come later).
 """
 
 from __future__ import annotations
@@ -38,12 +43,15 @@ def body(status: int, detail: str, max_header_size: int) -> bytes:
 
 
 def install(protocol: H11Protocol) -> None:
-    """Make ``protocol`` (one connection's) answer h11's protocol errors with a body."""
+    """Make ``protocol`` (one connection's) answer h11's protocol errors with a body, and
+    leave bytes after a last request unread."""
     connection: Any = protocol.connection
     next_event = connection.next_event
     detail = ["bad request"]
 
     def noting_errors() -> Any:
+        if connection.their_state is h11.MUST_CLOSE and connection.trailing_data[0]:
+            return h11.NEED_DATA  # bytes past the client's last request: not ours to read
         try:
             return next_event()
         except h11.RemoteProtocolError as exc:
