@@ -246,7 +246,7 @@ def test_transport_errors_in_anthropic_shape(server: ServerProcess) -> None:
     not_an_object = httpx.post(server.url + "/v1/messages/count_tokens", json=[1], timeout=30)
     assert not_an_object.status_code == 400 and "JSON object" in check_error(not_an_object.json())
     wrong_method = httpx.get(server.url + "/v1/messages", timeout=30)
-    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "OPTIONS, POST"
     check_error(wrong_method.json())
     too_large = httpx.post(server.url + "/v1/messages", content=b"{" + b" " * (4 * 1024 * 1024), timeout=30)
     assert too_large.status_code == 413 and "larger than" in check_error(too_large.json(), "request_too_large")

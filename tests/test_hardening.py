@@ -421,11 +421,31 @@ def test_cors_preflight_reflects_requested_headers_and_varies_on_origin(server: 
     )
 
 
-def test_405_carries_allow(server: ServerProcess) -> None:
-    response = httpx.get(server.url + "/v1/chat/completions")
+def methods(allow: str) -> set[str]:
+    return {m.strip() for m in allow.split(",")}
+
+
+@pytest.mark.parametrize(
+    ("path", "wrong", "allowed"),
+    [
+        ("/v1/chat/completions", "GET", {"OPTIONS", "POST"}),
+        ("/v1/messages", "GET", {"OPTIONS", "POST"}),  # Anthropic's family
+        ("/completion", "PUT", {"OPTIONS", "POST"}),  # llama-server's
+        ("/props", "DELETE", {"GET", "HEAD", "OPTIONS", "POST"}),
+        ("/slots/0", "GET", {"OPTIONS", "POST"}),
+        ("/v1/models", "POST", {"GET", "HEAD", "OPTIONS"}),
+    ],
+)
+def test_405_and_options_say_the_same_methods(server: ServerProcess, path: str, wrong: str, allowed: set[str]) -> None:
+    """A wrong method's 405 (in its family's error shape) and OPTIONS name the methods the
+    path answers, and only those (the routes that give the families' 405s are not counted)."""
+    response = httpx.request(wrong, server.url + path)
     assert response.status_code == 405
-    assert "POST" in response.headers["allow"]
-    assert response.json()["error"]["code"] == "method_not_allowed"
+    assert methods(response.headers["allow"]) == allowed
+    assert "not allowed" in response.text
+    options = httpx.options(server.url + path)
+    assert options.status_code == 200
+    assert methods(options.headers["allow"]) == allowed
 
 
 @pytest.mark.parametrize(

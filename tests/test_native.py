@@ -135,9 +135,9 @@ def test_transport_errors_in_llama_servers_shape(server: ServerProcess, path: st
     assert too_large.headers["connection"] == "close"
     wrong_method = httpx.get(server.url + path, timeout=60)
     assert f"GET is not allowed on {path}" == native_error(wrong_method, 405)["message"]
-    assert wrong_method.headers["allow"] == "POST"
+    assert wrong_method.headers["allow"] == "OPTIONS, POST"
     assert native_error(httpx.delete(server.url + "/props", timeout=60), 405)
-    assert httpx.delete(server.url + "/props", timeout=60).headers["allow"] == "GET, POST"
+    assert httpx.delete(server.url + "/props", timeout=60).headers["allow"] == "GET, HEAD, OPTIONS, POST"
     assert native_error(httpx.post(server.url + "/slots", json={}, timeout=60), 405)
     # The OpenAI routes keep their own shape, and the native routes still answer.
     openai_shape = httpx.get(server.url + "/v1/chat/completions", timeout=60)

@@ -99,10 +99,11 @@ async def count_tokens() -> Response:
 OTHER_METHODS = ["GET", "PUT", "PATCH", "DELETE"]
 
 
-@anthropic.route("/v1/messages", methods=OTHER_METHODS)
-@anthropic.route("/messages", methods=OTHER_METHODS)
-@anthropic.route("/v1/messages/count_tokens", methods=OTHER_METHODS)
-@anthropic.route("/messages/count_tokens", methods=OTHER_METHODS)
+@anthropic.route("/v1/messages", methods=OTHER_METHODS, provide_automatic_options=False)
+@anthropic.route("/messages", methods=OTHER_METHODS, provide_automatic_options=False)
+@anthropic.route("/v1/messages/count_tokens", methods=OTHER_METHODS, provide_automatic_options=False)
+@anthropic.route("/messages/count_tokens", methods=OTHER_METHODS, provide_automatic_options=False)
 async def wrong_method() -> Response:
-    """A 405 on these paths, in Anthropic's shape (routing's own would be the app's)."""
-    raise MethodNotAllowed(valid_methods=["POST"])
+    """A 405 on these paths, in Anthropic's shape (routing's own would be the app's). Its
+    routes add no OPTIONS of their own, so that OPTIONS answers with the methods there are."""
+    raise MethodNotAllowed(valid_methods=["OPTIONS", "POST"])

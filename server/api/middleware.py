@@ -98,9 +98,22 @@ def _install_finish(app: QuartTrio, state: ServerState) -> None:
     async def finish(response: Response) -> Response:
         if cors:
             _add_cors(response, cors)
+        if request.method == "OPTIONS" and request.url_rule is not None and "Allow" in response.headers:
+            response.headers["Allow"] = _allowed(app, request.url_rule.rule)
         rule = request.url_rule.rule if request.url_rule else "unmatched"
         state.metrics.requests.labels(rule, str(response.status_code)).inc()
         return response
+
+
+def _allowed(app: QuartTrio, rule: str) -> str:
+    """The methods ``rule`` answers, for OPTIONS' ``Allow``: routing's own list counts those of
+    the routes that only give other methods a 405 in their family's error shape (endpoints
+    named ``wrong_method...``: ``anthropic``, ``native``)."""
+    methods: set[str] = set()
+    for other in app.url_map.iter_rules():
+        if other.rule == rule and not other.endpoint.rpartition(".")[2].startswith("wrong_method"):
+            methods |= other.methods or set()
+    return ", ".join(sorted(methods))
 
 
 def _add_cors(response: Response, cors: set[str]) -> None:
@@ -164,8 +177,8 @@ def as_api_error(exc: Exception, max_body: int) -> ApiError:
     if status in {408, 413}:  # the body was not read (whole): no other request can follow
         headers["Connection"] = "close"
     allow = dict(exc.get_headers()).get("Allow")
-    if allow:  # 405: RFC 9110 15.5.6
-        headers["Allow"] = allow
+    if allow:  # 405: RFC 9110 15.5.6 (in the order OPTIONS' Allow has)
+        headers["Allow"] = ", ".join(sorted(m.strip() for m in allow.split(",")))
     return ApiError(status, message, type_=type_, code=_HTTP_CODES.get(status), headers=headers)
 
 

@@ -419,7 +419,9 @@ _METHODS = {
 
 async def wrong_method(**_: str) -> Response:
     rule = request.url_rule
-    raise MethodNotAllowed(valid_methods=_METHODS[rule.rule if rule is not None else ""])
+    allowed = _METHODS[rule.rule if rule is not None else ""]
+    # As routing's own 405 says it: OPTIONS always, HEAD wherever GET is.
+    raise MethodNotAllowed(valid_methods=["OPTIONS", *allowed, *(["HEAD"] if "GET" in allowed else [])])
 
 
 for _path, _allowed in _METHODS.items():
