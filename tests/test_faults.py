@@ -6,6 +6,7 @@ being served.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -200,6 +201,43 @@ def test_idle_flood_and_slowloris_are_bounded(limited: ServerProcess) -> None:
         for s in idle + slow:
             s.close()
     assert httpx.get(limited.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_flood_of_slow_bodies_locks_no_one_out() -> None:
+    """Every connection taken by a request whose body arrives a byte at a time: a real client
+    still gets in, long before --read-timeout would free one, because at the limit the request
+    whose body has been arriving the longest is cut for it."""
+    args = ["--parallel", "1", "--threads", "1", "--max-connections", "4", "--read-timeout", "120"]
+    with ServerProcess(args) as proc:
+        proc.wait_ready()
+        slow = [socket.create_connection(("127.0.0.1", proc.port)) for _ in range(4)]
+        for sock in slow:
+            sock.sendall(request_bytes("POST", "/v1/completions", b"{", content_length=1000))
+        time.sleep(1.5)  # every head is in (they are requests, not idle connections), and the bodies slow
+        stop = threading.Event()
+
+        def drip() -> None:
+            while not stop.is_set():
+                for sock in slow:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(b" ")
+                stop.wait(0.2)
+
+        dripper = threading.Thread(target=drip)
+        dripper.start()
+        try:
+            for _ in range(3):
+                # The hang guard is far below --read-timeout: only a cut lets these in.
+                assert httpx.get(proc.url + "/health", timeout=30).status_code == 200
+            assert any(closed_by_peer(sock) for sock in slow)
+        finally:
+            stop.set()
+            dripper.join()
+            for sock in slow:
+                sock.close()
+        assert "cut a request whose body has been arriving" in proc.log
+        assert proc.stop() == 0
+        assert "Traceback" not in proc.log
 
 
 def test_head_over_max_header_size_is_431(limited: ServerProcess) -> None:

@@ -41,7 +41,6 @@ import logging
 import math
 import os
 import select
-import socket
 from collections.abc import Callable
 
 import h11
@@ -50,7 +49,7 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
-from server.net import http2, peer, protocol_errors
+from server.net import http2, linger, peer, protocol_errors
 from server.net.transport import ChunkWriter, current_transport
 
 logger = logging.getLogger("llama_trio.net")
@@ -73,7 +72,6 @@ LINGER_BYTES = 8 * 1024 * 1024
 # wait for the client to close first (a pooled keep-alive client never does), and the lingering
 # close ends after this much quiet, so that the process exits within the final-write grace.
 CUT_LINGER_IDLE = 0.1
-MAX_RECV = 64 * 1024
 
 
 class Connection(TCPServer):
@@ -86,6 +84,7 @@ class Connection(TCPServer):
         super().__init__(*args)  # type: ignore[arg-type]
         self.write_timeout = write_timeout
         self._idle_since: float | None = None
+        self._busy_since = 0.0  # when the request in progress (if any) had its head
         self._draining = False
         self._grace_until = -math.inf  # while draining: when an idle connection is closed
         self._had_request = False  # a request head was complete on it
@@ -119,6 +118,22 @@ class Connection(TCPServer):
     def idle_since(self) -> float | None:
         """When the connection last became idle (no request head complete), or None if busy."""
         return None if self._draining else self._idle_since
+
+    @property
+    def body_since(self) -> float | None:
+        """When the request whose body is still arriving had its head, or None (idle, or its
+        body is in, or draining)."""
+        connection = getattr(self.protocol.protocol, "connection", None)
+        if self._idle_since is not None or self._draining or not isinstance(connection, h11.Connection):
+            return None
+        return self._busy_since if connection.their_state is h11.SEND_BODY else None
+
+    def abort(self) -> None:
+        """Close now, whatever is in progress (no lingering): its request ends as at a disconnect."""
+        self._draining = True
+        self.cut(trio.current_time())
+        if self._scope is not None:
+            self._scope.cancel()
 
     def drain(self, arrival_grace: float = 0.0) -> None:
         """Close now if idle; otherwise close when the request in progress is answered.
@@ -162,6 +177,8 @@ class Connection(TCPServer):
             # State first, without a checkpoint: the caller may be a request task that is
             # cancelled at its next checkpoint.
             self._idle_since = trio.current_time() if event.idle else None
+            if not event.idle:
+                self._busy_since = trio.current_time()
             if event.idle:
                 self._wrote_since_idle = False
                 self._head_started = False
@@ -183,7 +200,7 @@ class Connection(TCPServer):
             if not self._closing:
                 self._closing = True
                 if self._draining and self._hard_deadline == math.inf:
-                    await self._wait_for_client_close(trio.current_time() + CLOSE_LINGER)
+                    await linger.wait_for_client_close(self._socket, trio.current_time() + CLOSE_LINGER)
                 if self._wrote_since_idle:
                     await self._linger()
             await super()._close()
@@ -197,40 +214,7 @@ class Connection(TCPServer):
             await self.stream.send_eof()
         deadline = min(trio.current_time() + LINGER_TOTAL, self._hard_deadline)
         quiet = LINGER_IDLE if self._hard_deadline == math.inf else CUT_LINGER_IDLE
-        await self._wait_for_client_close(deadline, discard=LINGER_BYTES, quiet=quiet)
-
-    async def _wait_for_client_close(self, deadline: float, *, discard: int = 0, quiet: float = LINGER_IDLE) -> None:
-        """Wait until the client has closed its side, at most until ``deadline``. With
-        ``discard``, up to that many bytes it sends meanwhile are read and dropped, and a pause
-        of ``quiet`` seconds ends the wait; without, any byte ends it (it is not ours to read)."""
-        fd = self._socket.fileno() if self._socket is not None else -1
-        if fd < 0:
-            return
-        try:
-            duplicate = os.dup(fd)  # a socket object of our own: Hypercorn's reader has the other
-        except OSError:  # out of descriptors: close without waiting
-            return
-        with socket.socket(fileno=duplicate) as sock:
-            quiet_until = trio.current_time() + quiet if discard else math.inf
-            while True:
-                try:
-                    data = sock.recv(
-                        MAX_RECV if discard else 1, socket.MSG_DONTWAIT | (0 if discard else socket.MSG_PEEK)
-                    )
-                except BlockingIOError:  # nothing yet
-                    with trio.move_on_at(min(deadline, quiet_until)):
-                        await trio.lowlevel.wait_readable(sock)
-                    if trio.current_time() >= min(deadline, quiet_until):
-                        return
-                    continue
-                except OSError:  # reset: nothing more will come
-                    return
-                if not data or not discard:
-                    return  # their end, or (peeking) bytes we will not read
-                discard -= len(data)
-                if discard <= 0:
-                    return
-                quiet_until = trio.current_time() + quiet
+        await linger.wait_for_client_close(self._socket, deadline, discard=LINGER_BYTES, quiet=quiet)
 
     async def _read_data(self) -> None:
         """Hypercorn's read loop, with four differences: HTTP/2 is refused (``http2``); a
@@ -244,7 +228,7 @@ class Connection(TCPServer):
         try:
             while not self._closing:
                 try:
-                    data = bytes(await self.stream.receive_some(MAX_RECV))
+                    data = bytes(await self.stream.receive_some(linger.MAX_RECV))
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     break
                 if self._closing:

@@ -58,6 +58,12 @@ logger = logging.getLogger("llama_trio.serve")
 
 # After the drain deadline, time for connections to write the final error event and [DONE].
 FINAL_WRITE_GRACE = 1.0
+# At max_connections with none idle, a request whose body has been arriving longer than this
+# may be cut for a waiting client (``Service._evict``).
+SLOW_BODY = 1.0
+# At max_connections, how often the accept loop looks again for a connection to close while a
+# client waits and no slot has come free (at least CLOSE_LINGER: one closing at a time).
+EVICT_AGAIN = 0.5
 # Accept errors that mean "out of resources for now": wait and retry rather than crash.
 _RETRY_ACCEPT = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
@@ -219,9 +225,15 @@ class Service:
             if self.state.load_failed is not None:
                 return
         while True:
-            if limit.value == 0:
+            while limit.value == 0:
                 await trio.lowlevel.wait_readable(listener.socket)  # a client is waiting
-                self._evict_idle()
+                self._evict()
+                # Until a slot is free, look again now and then: the one closed may not go at
+                # once (a drained connection whose request had just arrived), and a body may
+                # have become slow enough meanwhile.
+                with trio.move_on_after(EVICT_AGAIN):
+                    await limit.acquire()
+                    limit.release()
             await limit.acquire()
             try:
                 stream = await listener.accept()
@@ -237,13 +249,26 @@ class Service:
                 raise
             connections.start_soon(self._connection, handler, stream, limit)
 
-    def _evict_idle(self) -> None:
+    def _evict(self) -> None:
         """At max_connections, close the connection idle the longest (as nginx reuses idle
         keep-alive connections), so that a flood of idle or slow-header connections cannot keep
-        real clients in the backlog until their keep-alive timers run out."""
+        real clients in the backlog until their keep-alive timers run out. With none idle, cut
+        the request whose body has been arriving the longest, past ``SLOW_BODY``: a flood of
+        slow bodies would otherwise hold every connection for ``--read-timeout``. Connections
+        already closing (draining) are not counted."""
         idle = [(c.idle_since, i, c) for i, c in enumerate(self._connections) if c.idle_since is not None]
         if idle:
             min(idle)[2].drain()
+            return
+        now = trio.current_time()
+        slow = [(since, i, c) for i, c in enumerate(self._connections) if (since := c.body_since) is not None]
+        if slow and min(slow)[0] <= now - SLOW_BODY:
+            logger.warning(
+                "at --max-connections %d: cut a request whose body has been arriving for %.1f s",
+                self.settings.max_connections,
+                now - min(slow)[0],
+            )
+            min(slow)[2].abort()
 
     async def _connection(self, handler: _Handler, stream: trio.SocketStream, limit: trio.Semaphore) -> None:
         connection = handler(stream)
