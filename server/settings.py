@@ -157,7 +157,9 @@ _HELP = {
     "write_timeout": "seconds a client may stop reading before its connection is cut",
     "ping_interval": "seconds of silence in a stream (queued, or a long prompt) before a ': ping' comment is sent",
     "max_header_size": "largest request head in bytes (431 above)",
-    "max_connections": "open connections at once; past it a new client replaces the longest idle (or slowest body) or waits",
+    "max_connections": (
+        "open connections at once; past it a new client replaces the longest idle (or slowest body) or waits"
+    ),
     "cors_origin": "allowed CORS origin (repeatable; * for any; localhost for any on this machine)",
     "reuse_port": "also set SO_REUSEPORT (lets other processes share the port)",
     "no_webui": "do not serve the chat page at / (the API is unchanged)",
