@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.process import ServerProcess, serving
 
-DEEP_ARGUMENTS = "[" * 5000  # a short string that parses only past the recursion limit
+DEEP_ARGUMENTS = "[" * 1200  # a short string that parses only past the recursion limit (1000)
 CALLED = [
     {"role": "user", "content": "hi"},
     {
