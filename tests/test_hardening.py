@@ -328,6 +328,37 @@ def test_bytes_in_the_same_packet_after_a_last_request_do_not_end_its_answer(
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.server
+def test_100_continue_comes_only_after_the_checks_on_the_head() -> None:
+    """A client that sends ``Expect: 100-continue`` (curl, for large bodies) waits for the 100
+    before it uploads: a request refused on its head (no API key, a Content-Length over
+    --max-body) gets its 401 or 413 with no 100 before it, so nothing is uploaded in vain; one
+    that passes gets the 100, then its answer."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+
+    def head(length: int, key: str | None) -> bytes:
+        headers = {"Expect": "100-continue", "Content-Type": "application/json"}
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        return request_bytes("POST", "/v1/completions", None, headers=headers, content_length=length)
+
+    with serving(["--threads", "1", "--api-key", "k", "--max-body", "100000"]) as proc:
+        for length, key, status in [(len(body), None, 401), (len(body), "wrong", 401), (200_000, "k", 413)]:
+            with socket.create_connection(("127.0.0.1", proc.port), timeout=30) as sock:
+                sock.sendall(head(length, key))
+                got, _, _ = read_head(sock)  # the body was never sent: this answers the head
+                assert got == status
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=30) as sock:
+            sock.sendall(head(len(body), "k"))
+            interim, _, rest = read_head(sock)
+            assert interim == 100 and rest == b""
+            sock.sendall(body)
+            status, headers, answer = read_head(sock)
+            while len(answer) < int(headers["content-length"]):
+                answer += sock.recv(65536)
+            assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] >= 1
+
+
 def test_empty_lines_before_a_request_line_are_ignored(server: ServerProcess) -> None:
     with connect(server) as sock:  # RFC 9112 section 2.2
         assert http_get(sock, "/health")[0] == 200

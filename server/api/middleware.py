@@ -17,6 +17,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from server.api.errors import ApiError
+from server.net.transport import current_transport
 from server.settings import Settings
 from server.state import ServerState
 
@@ -37,6 +38,7 @@ def install(app: QuartTrio, state: ServerState, public: frozenset[str]) -> None:
     settings = state.settings
     _install_guards(app, settings)
     _install_auth(app, settings, public)
+    _install_continue(app, settings)
     _install_finish(app, state)
     _install_error_handlers(app, settings)
 
@@ -89,6 +91,18 @@ def _install_auth(app: QuartTrio, settings: Settings, public: frozenset[str]) ->
         # Each key is its own tenant for the prefix and grammar caches (prepare.cache_scope).
         g.tenant = hashlib.sha256(given_bytes).hexdigest()
         return None
+
+
+def _install_continue(app: QuartTrio, settings: Settings) -> None:
+    @app.before_request
+    async def send_continue() -> None:
+        # After the checks a head alone can fail (they run first): a client that waits for
+        # ``100 Continue`` sends its body only now. Not for a body over --max-body (its 413
+        # follows).
+        transport = current_transport.get()
+        length = request.content_length
+        if transport is not None and (length is None or length <= settings.max_body):
+            transport.send_continue()
 
 
 def _install_finish(app: QuartTrio, state: ServerState) -> None:

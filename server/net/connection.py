@@ -49,7 +49,7 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
-from server.net import http2, linger, peer, protocol_errors
+from server.net import expect, http2, linger, peer, protocol_errors
 from server.net.transport import ChunkWriter, current_transport
 
 logger = logging.getLogger("llama_trio.net")
@@ -102,6 +102,7 @@ class Connection(TCPServer):
         self._wrote_since_idle = False  # an answer (or part of one) went out since the last idle
         self._peer_closed = False  # the client sent its end of input (FIN)
         self._on_peer_closed: Callable[[], None] | None = None
+        self._continue_owed = False  # the request in progress waits for a 100 (``expect``)
 
     async def serve(self) -> None:
         current_transport.set(self)  # the tasks Hypercorn starts for its requests inherit it
@@ -225,6 +226,7 @@ class Connection(TCPServer):
         if isinstance(protocol, H11Protocol):
             protocol._check_protocol = http2.check_protocol  # type: ignore[method-assign]
             protocol_errors.install(protocol)
+            expect.install(protocol, self._owe_continue)
         try:
             while not self._closing:
                 try:
@@ -306,6 +308,18 @@ class Connection(TCPServer):
     async def _idle_timeout(self) -> None:
         """Hypercorn's timer for the first request head, which would also close the connection
         the moment a drain starts; ``_watch_idle`` keeps that time here, so this does nothing."""
+
+    def _owe_continue(self, waiting: bool) -> None:
+        self._continue_owed = waiting
+
+    def send_continue(self) -> None:
+        """The interim ``100 Continue`` the request in progress waits for, if it does and its
+        answer has not begun; once."""
+        if self._continue_owed:
+            self._continue_owed = False
+            interim = peer.interim_continue(self.protocol.protocol)
+            if interim is not None:
+                self.write_nowait(interim)
 
     def on_peer_closed(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` (synchronously, once) when the client ends its input, or now if it

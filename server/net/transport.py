@@ -3,7 +3,8 @@
 A response's body may, while it is being sent, reach the connection it goes out on for two
 things Hypercorn does not offer: writing a chunk of the body straight to the socket (the
 streaming fast path, ``server/api/streaming.py``), and hearing that the client ended its input
-(so that it can probe whether the client is gone). ``current_transport`` names the connection
+(so that it can probe whether the client is gone). And a request sends the ``100 Continue`` its
+client may wait for once its head has passed the checks (``middleware``). ``current_transport`` names the connection
 to the tasks that serve its requests; it is None where the connection is not ours (under the
 hypercorn CLI), and then neither is available.
 
@@ -36,6 +37,12 @@ class Transport(Protocol):
     def on_peer_closed(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` (synchronously, once) when the client ends its input, or now if
         it has; None forgets it. One at a time: the response in progress sets it."""
+        ...
+
+    def send_continue(self) -> None:
+        """Send the interim ``100 Continue`` the request in progress waits for (its head had
+        ``Expect: 100-continue``), if it does and its answer has not begun; once. The app
+        calls it when the request has passed the checks its head alone can fail."""
         ...
 
 
