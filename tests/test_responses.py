@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.support import sse
-from tests.support.process import ServerProcess
+from tests.support.process import ServerProcess, serving
 from tests.support.readme import run_examples
 from tests.support.waiting import wait_for
 
@@ -271,6 +271,25 @@ def test_store_false_stores_nothing(sdk: openai.OpenAI) -> None:
     assert r.store is False
     with pytest.raises(openai.NotFoundError):
         sdk.responses.retrieve(r.id)
+
+
+@pytest.mark.server
+def test_a_response_too_large_for_the_store_says_it_was_not_stored() -> None:
+    """A response larger than the tenant's whole store bound is not kept; its object says
+    ``store: false`` (it said true), whole and at a stream's end, and a retrieve is a 404."""
+    with serving(["--threads", "1", "--responses-max-mb", "0.002"]) as proc:  # about 2 KB
+        with openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0) as client:
+            ask = "Describe the sea. " * 120  # over 2 KB of input, kept with the response
+            whole = client.responses.create(model="x", input=ask, max_output_tokens=4)
+            assert whole.store is False
+            with client.responses.stream(model="x", input=ask, max_output_tokens=4) as stream:
+                ends = [e for e in stream if e.type in ("response.completed", "response.incomplete")]
+            assert len(ends) == 1 and ends[0].response.store is False
+            for id_ in (whole.id, ends[0].response.id):
+                with pytest.raises(openai.NotFoundError):
+                    client.responses.retrieve(id_)
+            small = client.responses.create(model="x", input="Hi.", max_output_tokens=2)
+            assert small.store is True and client.responses.retrieve(small.id).id == small.id
 
 
 def test_a_streamed_response_is_stored_before_its_end_is_read(sdk: openai.OpenAI) -> None:

@@ -13,7 +13,7 @@ its client can read that it is done, so ``previous_response_id`` can continue it
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from quart import Blueprint, Response, request
@@ -65,6 +65,7 @@ async def create() -> Response:
         raise
     head = render.head(req, parse.new_id("resp"), prepared.model.id)
     owner = tenant()
+    # The answer's "store" says whether it was kept (too large for the store: not).
     keep = _keeper(state.responses, owner, head["id"], context) if req.stored else None
 
     def ended() -> None:  # a delete while it was being made is forgotten with it
@@ -73,12 +74,15 @@ async def create() -> Response:
     if prepared.stream:
         dialect = stream.ResponsesStream(prepared, head)
 
-        async def before_closing() -> None:
+        async def before_closing() -> Sequence[bytes] | None:
             if keep is not None and dialect.final is not None:
                 try:
-                    await keep(dialect.final)
+                    if not await keep(dialect.final):
+                        return dialect.closing_unstored()
                 except ApiError as exc:  # the answer is out already: it ends, not stored
                     logger.warning("response %s not stored: %s", head["id"], exc.message)
+                    return dialect.closing_unstored()
+            return None
 
         return streamed_response(
             prepared, dialect, trace, state.settings.ping_interval, before_closing=before_closing, on_end=ended
@@ -87,8 +91,8 @@ async def create() -> Response:
         choice = (await collect(prepared, trace))[0]
         output = render.whole_output(choice.text, choice.finish, prepared.tools)
         answer = render.response(head, render.status_of(choice.finish), output, choice.usage)
-        if keep is not None:
-            await keep(answer)
+        if keep is not None and not await keep(answer):
+            answer["store"] = False
     finally:
         ended()
     return json_response(answer)
@@ -124,13 +128,14 @@ async def _context(store: ResponseStore, req: parse.ResponsesRequest) -> list[di
 
 def _keeper(
     store: ResponseStore, owner: str, id_: str, context: list[dict[str, Any]]
-) -> Callable[[dict[str, Any]], Awaitable[None]]:
+) -> Callable[[dict[str, Any]], Awaitable[bool]]:
     """What stores the answer to the current request in its tenant (``owner``); from now on a
     delete of ``id_`` is kept (``ResponseStore.begin``) until the request ``end``s it."""
     store.begin(owner, id_)
 
-    async def keep(answer: dict[str, Any]) -> None:
-        await _stored(lambda: store.put(owner, id_, answer, context))  # too large: not kept (logged)
+    async def keep(answer: dict[str, Any]) -> bool:
+        """False when it was not kept: too large for the store (logged), or deleted meanwhile."""
+        return await _stored(lambda: store.put(owner, id_, answer, context))
 
     return keep
 

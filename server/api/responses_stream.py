@@ -109,6 +109,15 @@ class ResponsesStream:
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return (self._event(kind, response=self.final),)
 
+    def closing_unstored(self) -> Sequence[bytes]:
+        """``closing``'s event again, in its place, for a response that was not stored after
+        all (its ``store`` false)."""
+        assert self.final is not None
+        self._seq -= 1
+        self.final = {**self.final, "store": False}
+        kind = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
+        return (self._event(kind, response=self.final),)
+
     def failed(self, error: ApiError) -> Sequence[bytes]:
         events = list(self._close("incomplete"))
         failure = {"code": error.code or error.type, "message": error.message}

@@ -86,13 +86,14 @@ def streamed_response(
     trace: Trace,
     ping_interval: float,
     *,
-    before_closing: Callable[[], Awaitable[None]] | None = None,
+    before_closing: Callable[[], Awaitable[Sequence[bytes] | None]] | None = None,
     on_end: Callable[[], None] | None = None,
 ) -> Response:
     """The ``text/event-stream`` response for ``prepared`` in ``dialect``; its job is submitted
     when Quart starts sending the body. ``before_closing`` is awaited once the job has ended
     well, after the dialect rendered its ``closing`` and before that is written: what a client
-    may do as soon as it reads the end (continue a stored response) is possible by then.
+    may do as soon as it reads the end (continue a stored response) is possible by then; what
+    it returns, when not None, is written instead of ``closing``.
     ``on_end`` is called as the body is left, for whatever reason, with the job released."""
     body = _sse_body(prepared, dialect, trace, ping_interval, before_closing, on_end)
     return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
@@ -129,7 +130,7 @@ async def _sse_body(
     dialect: StreamDialect,
     trace: Trace,
     ping_interval: float,
-    before_closing: Callable[[], Awaitable[None]] | None,
+    before_closing: Callable[[], Awaitable[Sequence[bytes] | None]] | None,
     on_end: Callable[[], None] | None,
 ) -> AsyncIterator[bytes]:
     """The SSE body. Leaving it for any reason (done, error, the client gone) releases the
@@ -170,7 +171,7 @@ async def _sse_body(
                         usages.append(piece.usage)
             closing = dialect.closing(merged_usage(usages) if usages else None)
             if before_closing is not None:
-                await before_closing()
+                closing = await before_closing() or closing
         except EngineError as exc:
             trace.ending = exc.code
             closing = dialect.failed(ApiError.from_engine(exc, param=prepared.prompt_param))
