@@ -100,7 +100,9 @@ def run_conversations(url: str, n_conversations: int, turns: int) -> list[tuple[
     return out
 
 
-SMALL = ["--parallel", "2", "--ctx-size", "2048", "--threads", "1"]
+# Two threads: nothing here is timed, and these prefills were over a minute of the suite on one
+# (each dot product is one thread's whatever the count, so answers do not change with it).
+SMALL = ["--parallel", "2", "--ctx-size", "2048", "--threads", "2"]
 
 
 @pytest.fixture(scope="module")
