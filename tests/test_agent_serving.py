@@ -42,9 +42,10 @@ def client(url: str, key: str) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, pathlib.Path]]:
-    """A server with two API keys and a small store in a file."""
+    """A server with two API keys and a small store in a file (two threads: nothing on it is
+    timed, and the store test's prompts are long)."""
     db = tmp_path_factory.mktemp("store") / "responses.db"
-    args = ["--threads", "1", "--parallel", "2", "--ctx-size", "4096", "--api-key", KEY_A, "--api-key", KEY_B]
+    args = ["--threads", "2", "--parallel", "2", "--ctx-size", "4096", "--api-key", KEY_A, "--api-key", KEY_B]
     with ServerProcess([*args, "--responses-db", str(db), "--responses-max-mb", str(BOUND_MB)]) as proc:
         proc.wait_ready()
         yield proc, db
