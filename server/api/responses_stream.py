@@ -106,8 +106,7 @@ class ResponsesStream:
     def closing(self, usage: Usage | None) -> Sequence[bytes]:
         status = status_of(self._finish)
         self.final = response(self._head, status, self._output(), usage)
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return (self._event(kind, response=self.final),)
+        return self._final_event()
 
     def closing_unstored(self) -> Sequence[bytes]:
         """``closing``'s event again, in its place, for a response that was not stored after
@@ -115,6 +114,10 @@ class ResponsesStream:
         assert self.final is not None
         self._seq -= 1
         self.final = {**self.final, "store": False}
+        return self._final_event()
+
+    def _final_event(self) -> Sequence[bytes]:
+        assert self.final is not None
         kind = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
         return (self._event(kind, response=self.final),)
 

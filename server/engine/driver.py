@@ -292,8 +292,9 @@ class Engine:
             for member, sampler in zip(choice.members, samplers, strict=True):
                 self._tick += 1
                 member.start(slots[member], sampler, self.vocab, self._tick)
+            self.stats.active += len(choice.members)  # active from their first step on
         self._queue.extendleft(reversed(waiting))
-        self._update_stats(kv=False)  # the jobs just admitted count as active during their first step
+        self.stats.queued = len(self._queue)
 
     def _plan(self) -> list[scheduler.PlanEntry]:
         decoding: list[tuple[int, int]] = []

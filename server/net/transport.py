@@ -4,9 +4,9 @@ A response's body may, while it is being sent, reach the connection it goes out 
 things Hypercorn does not offer: writing a chunk of the body straight to the socket (the
 streaming fast path, ``server/api/streaming.py``), and hearing that the client ended its input
 (so that it can probe whether the client is gone). And a request sends the ``100 Continue`` its
-client may wait for once its head has passed the checks (``middleware``). ``current_transport`` names the connection
-to the tasks that serve its requests; it is None where the connection is not ours (under the
-hypercorn CLI), and then neither is available.
+client may wait for once its head has passed the checks (``middleware``). ``current_transport``
+names the connection to the tasks that serve its requests; it is None where the connection is
+not ours (under the hypercorn CLI), and then none of these is available.
 
 This module imports nothing of the rest of the server, nor Hypercorn or h11: the api depends
 on this contract, ``connection.Connection`` implements it.

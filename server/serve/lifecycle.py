@@ -262,13 +262,13 @@ class Service:
             return
         now = trio.current_time()
         slow = [(since, i, c) for i, c in enumerate(self._connections) if (since := c.body_since) is not None]
-        if slow and min(slow)[0] <= now - SLOW_BODY:
+        if slow and (slowest := min(slow))[0] <= now - SLOW_BODY:
             logger.warning(
                 "at --max-connections %d: cut a request whose body has been arriving for %.1f s",
                 self.settings.max_connections,
-                now - min(slow)[0],
+                now - slowest[0],
             )
-            min(slow)[2].abort()
+            slowest[2].abort()
 
     async def _connection(self, handler: _Handler, stream: trio.SocketStream, limit: trio.Semaphore) -> None:
         connection = handler(stream)
