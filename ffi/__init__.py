@@ -8,7 +8,7 @@ from ffi import backend
 from ffi._lib import ProgressReporter, log_lines
 from ffi.backend import BackendError, Device, Placement
 from ffi.chat import ChatTemplate
-from ffi.context import Attention, Batch, Context
+from ffi.context import Attention, Batch, Context, kv_cache_bytes
 from ffi.errors import (
     ClosedError,
     ContextError,
@@ -37,8 +37,8 @@ __all__ = [
     "ContextError",
     "DecodeAbortedError",
     "DecodeError",
-    "Device",
     "Detokenizer",
+    "Device",
     "FatalDecodeError",
     "InvalidBatchError",
     "LlamaError",
@@ -55,5 +55,6 @@ __all__ = [
     "Vocab",
     "backend",
     "check_decode",
+    "kv_cache_bytes",
     "log_lines",
 ]

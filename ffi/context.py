@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -105,6 +106,8 @@ CACHE_TYPES = {
     "q5_0": lib.GGML_TYPE_Q5_0,
     "q5_1": lib.GGML_TYPE_Q5_1,
 }
+_KV_BUFFER_LINE = re.compile(r"llama_kv_cache\S*: +(\S+) KV buffer size = +([0-9.]+) MiB")
+_MIB = 1024 * 1024
 _UNQUANTIZED = frozenset({"f32", "f16", "bf16"})
 FLASH_ATTN = {
     "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
@@ -132,6 +135,37 @@ class Attention:
                 raise ValueError(f"KV cache type {name!r} is not one of {', '.join(CACHE_TYPES)}")
         if self.flash_attn == "off" and self.type_v not in _UNQUANTIZED:
             raise ValueError(f"a {self.type_v} V cache needs flash attention (on or auto)")
+
+
+def kv_cache_bytes(
+    model: Model, n_ctx: int, n_seq_max: int, attention: Attention, layers: int | None = None
+) -> int | None:
+    """The KV cache a context of ``n_ctx`` cells for ``n_seq_max`` sequences will allocate for
+    ``layers`` of ``model``'s layers (all by default), from the model's hyperparameters, before
+    llama.cpp allocates (and clears) it: a K and a V row of the layer's KV heads per cell. A
+    lower bound (llama.cpp pads the cells; a sliding-window model's layers are all counted at
+    the window). None where the shape is not one this can tell: a recurrent or hybrid model's
+    state, a latent-attention cache, layers sharing their KV, KV heads that vary by layer."""
+    arch = model.meta("general.architecture") or ""
+    if model.recurrent or any(
+        model.meta(f"{arch}.attention.{key}") is not None for key in ("kv_lora_rank", "shared_kv_layers")
+    ):
+        return None
+    heads = model.meta(f"{arch}.attention.head_count_kv")
+    if heads is not None and not heads.isdigit():  # an array: a count per layer
+        return None
+    head_k = _meta_int(model, f"{arch}.attention.key_length") or model.n_embd // max(model.n_head, 1)
+    head_v = _meta_int(model, f"{arch}.attention.value_length") or head_k
+    cells = min(n_ctx, model.n_swa * n_seq_max) if model.n_swa > 0 else n_ctx
+    per_cell = lib.ggml_row_size(CACHE_TYPES[attention.type_k], head_k * model.n_head_kv) + lib.ggml_row_size(
+        CACHE_TYPES[attention.type_v], head_v * model.n_head_kv
+    )
+    return int(cells * per_cell * (model.n_layer if layers is None else layers))
+
+
+def _meta_int(model: Model, key: str) -> int | None:
+    value = model.meta(key)
+    return int(value) if value is not None and value.isdigit() else None
 
 
 POOLING = {
@@ -205,6 +239,13 @@ class Context:
         self.n_ctx_seq: int = lib.llama_n_ctx_seq(ptr)
         self.n_batch: int = lib.llama_n_batch(ptr)
         self.n_seq_max: int = lib.llama_n_seq_max(ptr)
+        # The KV cache's buffers as llama.cpp allocated them: bytes per device ("CPU", "CUDA0").
+        self.kv_buffers: dict[str, int] = {}
+        for _, text in lines:
+            match = _KV_BUFFER_LINE.search(text)
+            if match:
+                device = match.group(1)
+                self.kv_buffers[device] = self.kv_buffers.get(device, 0) + round(float(match.group(2)) * _MIB)
         model._register(self)
 
     @property

@@ -137,6 +137,8 @@ size_t llama_max_devices(void);
 bool llama_supports_gpu_offload(void);
 bool llama_supports_rpc(void);
 
+size_t ggml_row_size(enum ggml_type type, int64_t ne);
+
 /* backend devices */
 size_t ggml_backend_dev_count(void);
 ggml_backend_dev_t ggml_backend_dev_get(size_t index);
@@ -154,6 +156,12 @@ void llama_model_free(struct llama_model * model);
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_model_n_ctx_train(const struct llama_model * model);
 int32_t llama_model_n_layer(const struct llama_model * model);
+int32_t llama_model_n_embd(const struct llama_model * model);
+int32_t llama_model_n_head(const struct llama_model * model);
+int32_t llama_model_n_head_kv(const struct llama_model * model);
+int32_t llama_model_n_swa(const struct llama_model * model);
+bool llama_model_is_recurrent(const struct llama_model * model);
+bool llama_model_is_hybrid(const struct llama_model * model);
 int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
 int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
 uint64_t llama_model_size(const struct llama_model * model);
@@ -231,7 +239,6 @@ struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
 enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
-int32_t llama_model_n_embd(const struct llama_model * model);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 void llama_sampler_reset(struct llama_sampler * smpl);

@@ -92,6 +92,12 @@ class Model:
         self.vocab = Vocab(self, lib.llama_model_get_vocab(ptr))
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
         self.n_layer: int = lib.llama_model_n_layer(ptr)
+        self.n_embd: int = lib.llama_model_n_embd(ptr)
+        self.n_head: int = lib.llama_model_n_head(ptr)
+        self.n_head_kv: int = lib.llama_model_n_head_kv(ptr)
+        self.n_swa: int = lib.llama_model_n_swa(ptr)  # 0: no sliding-window attention
+        # A recurrent or hybrid model keeps a fixed state per sequence, not cells per token.
+        self.recurrent: bool = bool(lib.llama_model_is_recurrent(ptr) or lib.llama_model_is_hybrid(ptr))
         self.name: str = self.meta("general.name") or os.path.splitext(os.path.basename(self.path))[0]
         tmpl = lib.llama_model_chat_template(ptr, ffi.NULL)
         self.chat_template: str | None = ffi.string(tmpl).decode("utf-8", "replace") if tmpl != ffi.NULL else None

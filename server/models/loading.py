@@ -5,7 +5,8 @@ offload settings, a pass over its vocabulary, where its layers went, and the eng
 process starts: before the server's modules (Quart, Hypercorn, trio, pydantic: about 0.3 s of
 Python on a small machine) are imported, so the two overlap; llama.cpp's load runs without the
 GIL. The model's runtime takes the result over (``ModelRuntime``). This module imports only the
-binding, the settings and the model specs: nothing here may pull in the server's framework.
+binding, the settings, the model specs and ``memory`` (the KV cache's fit): nothing here may
+pull in the server's framework.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import ffi
+from server.models.memory import make_context
 from server.models.specs import ModelSpec, model_specs
 from server.offload import DeviceUse, attention, describe, device_uses, load_model
 from server.settings import Settings
@@ -46,16 +48,9 @@ def load(spec: ModelSpec, progress: ffi.ProgressReporter) -> Loaded:
         if progress.aborted:
             raise ffi.ModelLoadError(f"loading {spec.path} was aborted")
         # The engine's context (``EngineConfig.context_options``, which the engine checks), for
-        # the config ``ModelRuntime`` makes from the same settings.
-        context = ffi.Context(
-            model,
-            n_ctx=s.ctx_size,
-            n_batch=s.batch_size,
-            n_seq_max=s.parallel,
-            n_threads=s.threads,
-            kv_unified=False,
-            attention=attention(s),
-        )
+        # the config ``ModelRuntime`` makes from the same settings; refused when its KV cache
+        # would not fit in the memory left.
+        context = make_context(model, s, attention(s))
         # The Python work last, so that the C work above overlaps the start's imports: one pass
         # over the vocabulary each, here rather than on the event loop at the first request
         # that needs them.
