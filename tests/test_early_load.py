@@ -12,6 +12,7 @@ import pytest
 import ffi
 from server.engine import DecodeThread, Engine, EngineConfig
 from server.models.loading import EarlyLoads
+from server.models.memory import available_memory
 from server.models.specs import model_specs
 from server.settings import parse_settings
 from tests.support.process import ServerProcess
@@ -35,6 +36,11 @@ def test_an_early_load_is_taken_once_with_the_engines_context(model_path: pathli
             assert loaded.context.model is loaded.model
             assert loaded.context.n_seq_max == 2 and loaded.context.n_ctx == 512
             assert early.progress.progress == 1.0
+            left = available_memory()
+            assert left is not None
+            asked = settings.cache_ram * 1024 * 1024
+            assert 0 < loaded.cache_bytes <= asked  # lowered only where memory is short
+            assert loaded.cache_bytes == asked or left.bytes < 3 * asked
             assert [d.layers for d in loaded.devices if d.type == "cpu"] == [loaded.model.n_layer + 1]
         finally:
             loaded.close()

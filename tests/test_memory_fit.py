@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 import ffi
-from server.models.memory import Available, available_memory, check_kv_fits
+from server.models.memory import Available, available_memory, check_kv_fits, prompt_cache_bound
 from server.settings import parse_settings
 from tests.support.process import ServerProcess
 
@@ -171,6 +171,17 @@ def test_layers_offloaded_with_their_cache_need_no_memory_here(
     check_kv_fits(model, _settings(), ffi.Attention(), Available(0, "nothing"))
     with pytest.raises(ffi.ContextError):  # with --no-kv-offload the whole cache stays here
         check_kv_fits(model, _settings(), ffi.Attention(offload_kv=False), Available(0, "nothing"))
+
+
+def test_the_prompt_cache_keeps_to_half_of_what_is_left(model: ffi.Model, caplog: pytest.LogCaptureFixture) -> None:
+    settings = _settings("--cache-ram", "2048")
+    assert prompt_cache_bound(model, settings, Available(8192 * MIB, "x")) == 2048 * MIB
+    assert prompt_cache_bound(model, settings, None) == 2048 * MIB
+    assert caplog.text == ""
+    with caplog.at_level(logging.WARNING, "llama_trio.models"):
+        assert prompt_cache_bound(model, settings, Available(1000 * MIB, "the pod's limit")) == 500 * MIB
+    assert "--cache-ram 2048 MiB is more than half of the 1000 MiB that the pod's limit leaves" in caplog.text
+    assert prompt_cache_bound(model, _settings("--cache-ram", "0"), Available(0, "x")) == 0
 
 
 @pytest.mark.server

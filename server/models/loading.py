@@ -32,6 +32,7 @@ class Loaded:
     model: ffi.Model
     context: ffi.Context
     devices: tuple[DeviceUse, ...]
+    cache_bytes: int  # the bound of its prompt cache in host RAM (``memory.prompt_cache_bound``)
 
     def close(self) -> None:
         self.context.close()
@@ -50,7 +51,7 @@ def load(spec: ModelSpec, progress: ffi.ProgressReporter) -> Loaded:
         # The engine's context (``EngineConfig.context_options``, which the engine checks), for
         # the config ``ModelRuntime`` makes from the same settings; refused when its KV cache
         # would not fit in the memory left.
-        context = make_context(model, s, attention(s))
+        context, cache_bytes = make_context(model, s, attention(s))
         # The Python work last, so that the C work above overlaps the start's imports: one pass
         # over the vocabulary each, here rather than on the event loop at the first request
         # that needs them.
@@ -61,7 +62,7 @@ def load(spec: ModelSpec, progress: ffi.ProgressReporter) -> Loaded:
     except BaseException:
         model.close()
         raise
-    return Loaded(model, context, devices)
+    return Loaded(model, context, devices, cache_bytes)
 
 
 class EarlyLoad:

@@ -146,12 +146,13 @@ def _v1_room(base: str, path: str) -> Available | None:
 _CONTEXTS = threading.Lock()
 
 
-def make_context(model: ffi.Model, settings: Settings, attention: ffi.Attention) -> ffi.Context:
-    """The engine's context for ``model``, once its KV cache is known to fit in the memory left
-    (blocking). Raises ``ffi.ContextError`` when it does not, or when llama.cpp fails."""
+def make_context(model: ffi.Model, settings: Settings, attention: ffi.Attention) -> tuple[ffi.Context, int]:
+    """The engine's context for ``model``, once its KV cache is known to fit in the memory left,
+    and the bound in bytes of its prompt cache in host RAM (``prompt_cache_bound``) (blocking).
+    Raises ``ffi.ContextError`` when the cache does not fit, or when llama.cpp fails."""
     with _CONTEXTS:
         check_kv_fits(model, settings, attention, available_memory())
-        return ffi.Context(
+        context = ffi.Context(
             model,
             n_ctx=settings.ctx_size,
             n_batch=settings.batch_size,
@@ -160,6 +161,30 @@ def make_context(model: ffi.Model, settings: Settings, attention: ffi.Attention)
             kv_unified=False,
             attention=attention,
         )
+        try:
+            return context, prompt_cache_bound(model, settings, available_memory())
+        except BaseException:
+            context.close()
+            raise
+
+
+def prompt_cache_bound(model: ffi.Model, settings: Settings, left: Available | None) -> int:
+    """``--cache-ram`` in bytes, but at most half of the memory ``left`` once the context is made:
+    the saved prefixes grow into their bound as conversations come, long after the start, and
+    a bound larger than the memory there is would end in the OOM killer. Logged when lowered."""
+    asked = settings.cache_ram * _MIB
+    if left is None or asked <= left.bytes // 2:
+        return asked
+    bound = left.bytes // 2
+    logger.warning(
+        "%s: --cache-ram %d MiB is more than half of the %d MiB that %s leaves: its prompt cache keeps at most %d MiB",
+        os.path.basename(model.path),
+        settings.cache_ram,
+        left.bytes // _MIB,
+        left.source,
+        bound // _MIB,
+    )
+    return bound
 
 
 def check_kv_fits(model: ffi.Model, settings: Settings, attention: ffi.Attention, available: Available | None) -> None:

@@ -197,7 +197,7 @@ class ModelRuntime:
             self.info = ModelInfo(self.spec.id, self.created, model.name, fingerprint, template, devices)
             async with contextlib.AsyncExitStack() as stack:
                 engine = await stack.enter_async_context(
-                    open_engine(model, self._engine_config(), context=loaded.context)
+                    open_engine(model, self._engine_config(loaded.cache_bytes), context=loaded.context)
                 )
                 s = self.spec.settings
                 if s.embeddings:
@@ -229,7 +229,7 @@ class ModelRuntime:
             if await self._close_compiles():
                 model.close()
 
-    def _engine_config(self) -> EngineConfig:
+    def _engine_config(self, cache_bytes: int) -> EngineConfig:
         s = self.spec.settings
         return EngineConfig(
             n_parallel=s.parallel,
@@ -237,7 +237,7 @@ class ModelRuntime:
             n_batch=s.batch_size,
             n_threads=s.threads,
             max_queue=s.max_queue,
-            cache_bytes=s.cache_ram * 1024 * 1024,
+            cache_bytes=cache_bytes,
             attention=attention(s),
             fast_forward=not s.no_fast_forward,
         )
