@@ -24,11 +24,13 @@ class Batch:
     token that asked for logits is what ``Sampler.sample`` takes.
     """
 
+    _raw: Any = None  # until __init__ allocates: a refused capacity leaves nothing to free
+
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError("batch capacity must be positive")
         self.capacity = capacity
-        self._raw: Any = lib.llama_batch_init(capacity, 0, 1)
+        self._raw = lib.llama_batch_init(capacity, 0, 1)
         self.n_tokens = 0
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import pathlib
 import threading
@@ -394,3 +395,12 @@ def test_logprobs_match_a_log_softmax_of_the_same_logits(model: ffi.Model, conte
     # A token masked to -inf has probability 0.
     row[7] = float("-inf")
     assert context.logprobs(index, 7, 1)[0] == float("-inf")
+
+
+def test_a_refused_batch_capacity_leaves_nothing_to_free() -> None:
+    # The finaliser of a batch whose __init__ raised must not fail in its turn (pytest makes an
+    # unraisable exception in a finaliser an error).
+    for capacity in (0, -1):
+        with pytest.raises(ValueError, match="capacity"):
+            ffi.Batch(capacity)
+    gc.collect()
