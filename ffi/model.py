@@ -93,8 +93,10 @@ class Model:
         self.n_ctx_train: int = lib.llama_model_n_ctx_train(ptr)
         self.n_layer: int = lib.llama_model_n_layer(ptr)
         self.n_embd: int = lib.llama_model_n_embd(ptr)
-        self.n_head: int = lib.llama_model_n_head(ptr)
-        self.n_head_kv: int = lib.llama_model_n_head_kv(ptr)
+        # llama.cpp aborts the process on a head count of a model without layers (vocab only).
+        layered = self.n_layer > 0
+        self.n_head: int = lib.llama_model_n_head(ptr) if layered else 0
+        self.n_head_kv: int = lib.llama_model_n_head_kv(ptr) if layered else 0
         self.n_swa: int = lib.llama_model_n_swa(ptr)  # 0: no sliding-window attention
         # A recurrent or hybrid model keeps a fixed state per sequence, not cells per token.
         self.recurrent: bool = bool(lib.llama_model_is_recurrent(ptr) or lib.llama_model_is_hybrid(ptr))

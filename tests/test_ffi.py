@@ -404,3 +404,14 @@ def test_a_refused_batch_capacity_leaves_nothing_to_free() -> None:
         with pytest.raises(ValueError, match="capacity"):
             ffi.Batch(capacity)
     gc.collect()
+
+
+def test_a_vocabulary_only_model_loads_and_tokenizes(model_path: pathlib.Path, model: ffi.Model) -> None:
+    # Its shape reads as empty rather than aborting the process (llama.cpp asserts on a head
+    # count of a model without layers).
+    with ffi.Model(model_path, vocab_only=True) as vocab_only:
+        assert (vocab_only.n_layer, vocab_only.n_head, vocab_only.n_head_kv) == (0, 0, 0)
+        assert vocab_only.vocab.tokenize("Hello there", add_special=False) == model.vocab.tokenize(
+            "Hello there", add_special=False
+        )
+        assert ffi.kv_cache_bytes(vocab_only, 4096, 4, ffi.Attention()) == 0
