@@ -27,6 +27,7 @@ COLOR = {
     "required": ["color"],
     "additionalProperties": False,
 }
+UNSUP = "unsupported_parameter"
 # An answer that cannot end before max_output_tokens: the grammar wants a long story.
 LONG = {
     "type": "object",
@@ -363,6 +364,15 @@ def test_agents_sdk_runner_calls_a_function_tool(server: ServerProcess) -> None:
             "text.format.name",
             "invalid_value",
         ),
+        # a schema's fields with a type that takes none are refused, not dropped
+        ({"input": "hi", "text": {"format": {"type": "text", "schema": COLOR}}}, 400, "text.format.schema", UNSUP),
+        (
+            {"input": "hi", "text": {"format": {"type": "json_object", "name": "c", "schema": COLOR}}},
+            400,
+            "text.format.name",
+            UNSUP,
+        ),
+        ({"input": "hi", "text": {"format": {"type": "text", "strict": True}}}, 400, "text.format.strict", UNSUP),
         (
             {"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
             400,
@@ -385,6 +395,20 @@ def test_bad_requests(server: ServerProcess, body: dict[str, Any], status: int, 
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["param"], error["code"]) == (param, code), error
+
+
+def test_a_json_object_format_with_a_schema_follows_it(server: ServerProcess) -> None:
+    # As chat's response_format takes it (after llama-server): the schema the object follows.
+    body = {
+        "input": "Pick a color.",
+        "max_output_tokens": 40,
+        "text": {"format": {"type": "json_object", "schema": COLOR}},
+    }
+    response = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["status"] == "completed", answer
+    jsonschema.validate(json.loads(answer["output"][0]["content"][0]["text"]), COLOR)
 
 
 def test_disconnect_mid_stream_frees_the_sequence(server: ServerProcess) -> None:

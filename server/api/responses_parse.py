@@ -300,6 +300,16 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
 
 def _response_format(form: TextFormat) -> dict[str, Any]:
     if form.type != "json_schema":
+        # name, description and strict belong to a json_schema; a schema with json_object is
+        # the object's (as chat's response_format takes it, after llama-server); with text, none.
+        extra = [key for key in ("name", "description", "strict") if getattr(form, key) is not None]
+        if form.json_schema is not None and form.type == "text":
+            extra.insert(0, "schema")
+        if extra:
+            message = f"text.format.{extra[0]} is not taken with type {form.type}"
+            raise ApiError(400, message, param=f"text.format.{extra[0]}", code="unsupported_parameter")
+        if form.json_schema is not None:
+            return {"type": "json_object", "schema": form.json_schema}
         return {"type": form.type}
     if form.name is None or form.json_schema is None:
         missing = "name" if form.name is None else "schema"
