@@ -226,6 +226,15 @@ def test_billing_header_block_is_left_out_of_the_prompt(sdk: anthropic.Anthropic
             {"max_tokens": 8, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
             "'nope'",
         ),
+        (  # a name with a type that takes none is refused, not dropped
+            {
+                "max_tokens": 8,
+                "messages": ASK,
+                "tools": [WEATHER],
+                "tool_choice": {"type": "any", "name": "get_weather"},
+            },
+            "takes no name",
+        ),
         ({"max_tokens": 8, "messages": ASK, "stop_sequences": ["x"] * 17}, "stop_sequences"),
         (
             {"max_tokens": 8, "messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}]}]},
@@ -250,6 +259,9 @@ def test_transport_errors_in_anthropic_shape(server: ServerProcess) -> None:
     check_error(wrong_method.json())
     too_large = httpx.post(server.url + "/v1/messages", content=b"{" + b" " * (4 * 1024 * 1024), timeout=30)
     assert too_large.status_code == 413 and "larger than" in check_error(too_large.json(), "request_too_large")
+    for method in ("GET", "POST", "DELETE", "OPTIONS"):  # a path the family lacks: its 404
+        unknown = httpx.request(method, server.url + "/v1/messages/batches", json={}, timeout=30)
+        assert unknown.status_code == 404 and "no route" in check_error(unknown.json(), "not_found_error")
     # The OpenAI routes keep theirs.
     openai_shape = httpx.post(server.url + "/v1/chat/completions", content=b"{", timeout=30)
     assert openai_shape.status_code == 400 and set(openai_shape.json()["error"]) == {"message", "type", "param", "code"}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from quart import Blueprint, Response, request
-from werkzeug.exceptions import MethodNotAllowed
+from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from server.api.collect import collect
 from server.api.errors import ApiError
@@ -97,6 +97,7 @@ async def count_tokens() -> Response:
 
 
 OTHER_METHODS = ["GET", "PUT", "PATCH", "DELETE"]
+ALL_METHODS = [*OTHER_METHODS, "POST", "OPTIONS"]
 
 
 @anthropic.route("/v1/messages", methods=OTHER_METHODS, provide_automatic_options=False)
@@ -107,3 +108,11 @@ async def wrong_method() -> Response:
     """A 405 on these paths, in Anthropic's shape (routing's own would be the app's). Its
     routes add no OPTIONS of their own, so that OPTIONS answers with the methods there are."""
     raise MethodNotAllowed(valid_methods=["OPTIONS", "POST"])
+
+
+@anthropic.route("/v1/messages/<path:_rest>", methods=ALL_METHODS, provide_automatic_options=False)
+@anthropic.route("/messages/<path:_rest>", methods=ALL_METHODS, provide_automatic_options=False)
+async def no_route(_rest: str) -> Response:
+    """A 404 under the family's paths, in Anthropic's shape (routing's own would be the app's):
+    an SDK pointed at a path this server lacks reads its error as it reads Anthropic's."""
+    raise NotFound()

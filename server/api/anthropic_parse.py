@@ -281,6 +281,9 @@ def _tool_choice(choice: ToolChoice) -> dict[str, Any]:
             )
         fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     else:
+        if choice.name is not None:  # Anthropic takes a name with type "tool" only
+            message = f"tool_choice of type {choice.type!r} takes no name; a named tool is type 'tool'"
+            raise ApiError(400, message, param="tool_choice.name", code="invalid_value")
         fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
     return fields
 
