@@ -88,6 +88,25 @@ def test_sdk_completion_streamed(sdk: openai.OpenAI) -> None:
     assert logprobs.tokens[0] == " Paris" and logprobs.token_logprobs[0] > math.log(0.5)
 
 
+def _access_lines(server: ServerProcess, path: str) -> list[str]:
+    return [line for line in server.log.splitlines() if "llama_trio.access" in line and f"POST {path} " in line]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_access_line_counts_every_choice(sdk: openai.OpenAI, server: ServerProcess, stream: bool) -> None:
+    before = len(_access_lines(server, "/v1/chat/completions"))
+    kwargs: dict[str, Any] = {"model": "x", "messages": CHAT, "max_tokens": 9, "n": 3, "temperature": 1.0}
+    if stream:
+        chunks = list(sdk.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+    else:
+        usage = sdk.chat.completions.create(**kwargs).usage
+    assert usage is not None and usage.completion_tokens > 3  # three choices, at least two tokens each
+    wait_for(lambda: len(_access_lines(server, "/v1/chat/completions")) > before, "the access line", 10)
+    line = _access_lines(server, "/v1/chat/completions")[before]
+    assert f" prompt={usage.prompt_tokens} completion={usage.completion_tokens} " in line, line
+
+
 def test_sdk_models_list(sdk: openai.OpenAI) -> None:
     models = sdk.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]

@@ -43,7 +43,8 @@ class Trace:
         self.start = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
-        self.usage: Usage | None = None
+        self._usages: list[Usage] = []  # each finished choice's
+        self._longest = 0  # the completion tokens of its longest choice
         self.ending = "cancelled"
         self.status = 200
         self.written = 0.0  # trio time of the last write to a stream's body
@@ -55,8 +56,15 @@ class Trace:
             self.state.metrics.ttft.observe(now - self.start)
         self.last = now
         if piece.finish_reason:
-            self.usage = piece.usage
+            if piece.usage is not None:
+                self._usages.append(piece.usage)
+                self._longest = max(self._longest, piece.usage.completion_tokens)
             self.ending = piece.finish_reason
+
+    @property
+    def usage(self) -> Usage | None:
+        """The job's usage so far: its finished choices' together (n > 1, several prompts)."""
+        return merged_usage(self._usages) if self._usages else None
 
     def log(self) -> None:
         usage = self.usage
@@ -68,8 +76,9 @@ class Trace:
             totals.generation_seconds += self.last - self.first
         if usage is not None:
             totals.longest_sequence = max(totals.longest_sequence, usage.total_tokens)
-        if usage and self.first and self.last and usage.completion_tokens > 1 and self.last > self.first:
-            per_token = (self.last - self.first) / (usage.completion_tokens - 1)
+        # The choices of a job decode side by side: a token's latency is its longest choice's.
+        if usage and self.first and self.last and self._longest > 1 and self.last > self.first:
+            per_token = (self.last - self.first) / (self._longest - 1)
             self.state.metrics.token_latency.observe(per_token)
             rate = f"{1 / per_token:.1f}"
         logger.info(
