@@ -147,8 +147,11 @@ def kv_cache_bytes(
     llama.cpp allocates (and clears) it: a K and a V row of the layer's KV heads per cell. A
     lower bound (llama.cpp pads the cells; a sliding-window model's layers are all counted at
     the window). None where the shape is not one this can tell: a recurrent or hybrid model's
-    state, a latent-attention cache, layers sharing their KV, KV heads that vary by layer."""
+    state, a latent-attention cache, layers sharing their KV, KV heads that vary by layer, an
+    encoder's attention (none kept)."""
     arch = model.meta("general.architecture") or ""
+    if model.meta(f"{arch}.attention.causal") == "false":  # an encoder (BERT): llama.cpp keeps no cache
+        return None
     if model.recurrent or any(
         model.meta(f"{arch}.attention.{key}") is not None for key in ("kv_lora_rank", "shared_kv_layers")
     ):

@@ -109,7 +109,7 @@ _HELP = {
     "host": "address to listen on (:: for IPv6 and IPv4)",
     "port": "TCP port",
     "parallel": "sequences decoded together (concurrent requests)",
-    "ctx_size": "KV cache cells in all; each sequence gets ctx-size / parallel",
+    "ctx_size": "KV cache cells in all; each sequence gets ctx-size / parallel (0: the model's own context length)",
     "batch_size": "tokens per decode step (prompt chunks plus one per running sequence)",
     "threads": (
         "CPU threads for llama.cpp; leave a core free when other work shares the machine "
@@ -356,8 +356,9 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         if value is not None:
             values[f.name] = value
     settings = Settings(**values)  # type: ignore[arg-type]
-    if settings.pooling not in {None, "mean", "cls", "last"}:
-        parser.error("--pooling must be mean, cls or last")
+    wrong = model_settings_error(settings)
+    if wrong is not None:
+        parser.error(f"--{wrong[0].replace('_', '-')} {wrong[1]}")
     if settings.cache_ram < 0:
         parser.error("--cache-ram must be 0 (off) or a number of MiB")
     if not settings.responses_max_mb > 0:  # also NaN
@@ -383,6 +384,29 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     if settings.flash_attn == "off" and settings.cache_type_v not in _UNQUANTIZED:
         parser.error(f"--cache-type-v {settings.cache_type_v} needs flash attention: --flash-attn on or auto")
     return settings
+
+
+# llama.cpp's bound on the sequences of one context (LLAMA_MAX_SEQ; the binding's
+# llama_max_parallel_sequences, which a test compares).
+MAX_PARALLEL = 256
+
+
+def model_settings_error(s: Settings) -> tuple[str, str] | None:
+    """The first of the settings a model is loaded with (the command line's, or a preset's over
+    them) that cannot be, as (name, what it must be); None when all can."""
+    if not 1 <= s.parallel <= MAX_PARALLEL:
+        return "parallel", f"must be between 1 and {MAX_PARALLEL}"
+    if s.ctx_size < 0 or 0 < s.ctx_size < s.parallel:
+        return "ctx_size", f"must be 0 (the model's own) or at least parallel ({s.parallel}): a cell per sequence"
+    if s.batch_size < 1:
+        return "batch_size", "must be at least 1"
+    if s.threads < 1:
+        return "threads", "must be at least 1"
+    if s.max_queue < 0:
+        return "max_queue", "must be 0 or more"
+    if s.pooling not in {None, "mean", "cls", "last"}:
+        return "pooling", "must be mean, cls or last"
+    return None
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> Settings:

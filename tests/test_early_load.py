@@ -11,7 +11,7 @@ import pytest
 
 import ffi
 from server.engine import DecodeThread, Engine, EngineConfig
-from server.models.loading import EarlyLoads
+from server.models.loading import EarlyLoads, load
 from server.models.memory import available_memory
 from server.models.specs import model_specs
 from server.settings import parse_settings
@@ -156,3 +156,15 @@ def test_a_start_that_fails_after_its_load_began_exits_cleanly(tmp_path: pathlib
         assert proc.wait(GUARD) == 2
     assert f"llama-trio: cannot read the chat template file {tmp_path}/missing.jinja" in proc.log
     assert "Traceback" not in proc.log and "Fatal" not in proc.log
+
+
+def test_a_context_size_of_zero_is_the_models_own(model_path: pathlib.Path) -> None:
+    # llama-server's -c 0: the model's training context, shared by the sequences.
+    settings = _settings(model_path, "--ctx-size", "0")
+    (spec,) = model_specs(settings)
+    loaded = load(spec, ffi.ProgressReporter(spec.id, logging.getLogger("test")))
+    try:
+        assert loaded.settings.ctx_size == loaded.model.n_ctx_train == loaded.context.n_ctx
+        assert loaded.context.n_ctx_seq == loaded.model.n_ctx_train // 2
+    finally:
+        loaded.close()

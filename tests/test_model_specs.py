@@ -9,7 +9,7 @@ import pytest
 
 from server.models.policy import Resident, idle_expired, make_room
 from server.models.specs import ModelSpecError, is_multi_model, model_specs
-from server.settings import parse_settings
+from server.settings import MAX_PARALLEL, parse_settings
 
 
 def touch(path: pathlib.Path, size: int = 10) -> pathlib.Path:
@@ -63,6 +63,13 @@ def test_ini_presets_are_typed(tmp_path: pathlib.Path) -> None:
         ("[m]\nport = 1\n", "unknown keys port"),
         ("[n]\nctx_size = 5\n", "no file"),
         ("[m]\naliases = other\n[other]\nmodel = {model}\n", "used by both"),
+        # a shape llama.cpp cannot make is refused at start, not at the model's first request
+        ("[m]\nctx_size = -1\n", r"\[m\]: ctx_size must be 0 \(the model's own\) or at least parallel"),
+        ("[m]\nparallel = 0\n", r"\[m\]: parallel must be between 1 and 256"),
+        ("[m]\nparallel = 8\nctx_size = 4\n", "ctx_size must be"),
+        ("[m]\nbatch_size = -5\n", "batch_size must be at least 1"),
+        ("[m]\nthreads = 0\n", "threads must be at least 1"),
+        ("[m]\npooling = sum\n", "pooling must be mean, cls or last"),
     ],
 )
 def test_bad_presets_say_why(tmp_path: pathlib.Path, preset: str, says: str) -> None:
@@ -119,3 +126,30 @@ def test_alias_list_and_tags_as_llama_server() -> None:
     assert spec.tags == ("chat", "fim", "small")
     [plain] = model_specs(parse_settings(["--alias", "mine"], env={}))
     assert plain.id == "mine" and plain.names == ("mine",) and plain.tags == ()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--ctx-size", "3", "--parallel", "4"], "--ctx-size must be 0 (the model's own) or at least parallel (4)"),
+        (["--ctx-size", "-1"], "--ctx-size must be"),
+        (["--parallel", "0"], "--parallel must be between 1 and 256"),
+        (["--parallel", "257"], "--parallel must be between 1 and 256"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--threads", "-2"], "--threads must be at least 1"),
+        (["--max-queue", "-1"], "--max-queue must be 0 or more"),
+    ],
+)
+def test_a_model_shape_llama_cpp_cannot_make_is_refused(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(argv, env={})
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_the_parallel_bound_is_llama_cpps() -> None:
+    from ffi._lib import lib
+
+    assert lib.llama_max_parallel_sequences() == MAX_PARALLEL

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from bench.random_model import SHAPES, write_model
+from server.models.memory import available_memory
 from tests.support.process import ServerProcess, serving
 from tests.support.waiting import wait_for
 
@@ -251,3 +252,37 @@ def _status_or_0(url: str, model: str) -> int:
         return chat(url, model).status_code
     except httpx.TransportError:
         return 0
+
+
+def test_a_model_whose_embedder_cannot_fit_fails_alone(models_dir: pathlib.Path, model_path: pathlib.Path) -> None:
+    # Its engine's context fits; the embeddings context (batch-size x parallel cells) asks for
+    # twice the memory left. The model fails with a 503 that says why, not the server (its
+    # error escaped the runtime and ended the process), and the other models serve on.
+    left = available_memory()
+    assert left is not None
+    parallel, per_cell = 256, 23040  # the default model's KV: 23040 bytes a cell in f16
+    batch = -(-2 * left.bytes // (per_cell * parallel))
+    preset = models_dir / "embed.ini"
+    preset.write_text(f"[smol]\nembeddings = true\nparallel = {parallel}\nctx_size = {batch}\nbatch_size = {batch}\n")
+    args = [*BASE, "--models-dir", str(models_dir), "--model", f"smol={model_path}", "--models-preset", str(preset)]
+    with serving(args) as proc:
+        refused = chat(proc.url, "smol")
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "model_load_failed" and "for its embeddings needs" in error["message"]
+        assert str(models_dir) not in error["message"] and str(model_path.parent) not in error["message"]
+        assert chat(proc.url, "tiny-a").status_code == 200
+        assert proc.proc.poll() is None and "Traceback" not in proc.log
+
+
+def test_a_failed_load_tells_a_client_the_file_but_not_its_folder(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(40))  # no architecture
+    with serving([*BASE, "--models-dir", str(tmp_path)]) as proc:
+        refused = chat(proc.url, "bad")
+        assert refused.status_code == 503, refused.text
+        message = refused.json()["error"]["message"]
+        assert "bad.gguf" in message and str(tmp_path) not in message, message
+        card = httpx.get(proc.url + "/v1/models", timeout=10).json()["data"][0]
+        assert card["status"]["value"] == "failed" and "bad.gguf" in card["status"]["error"]
+        assert str(tmp_path) not in card["status"]["error"]
+        assert str(tmp_path) in proc.log  # the operator's log names the whole path

@@ -41,7 +41,7 @@ async def models() -> Response:
             if runtime.status == "loading":
                 status.progress = round(runtime.progress, 3)
             elif runtime.failed is not None:
-                status.error = str(runtime.failed)
+                status.error = runtime.failure
             if runtime.info is not None and runtime.info.name is not None and runtime.engine is not None:
                 meta = model_list.ModelMeta(name=runtime.info.name)
         aliases = list(spec.aliases) or None

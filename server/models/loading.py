@@ -11,6 +11,7 @@ pull in the server's framework.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ class Loaded:
     context: ffi.Context
     devices: tuple[DeviceUse, ...]
     cache_bytes: int  # the bound of its prompt cache in host RAM (``memory.prompt_cache_bound``)
+    settings: Settings  # the model's, with a context size of 0 (the model's own) made a number
 
     def close(self) -> None:
         self.context.close()
@@ -48,6 +50,8 @@ def load(spec: ModelSpec, progress: ffi.ProgressReporter) -> Loaded:
     try:
         if progress.aborted:
             raise ffi.ModelLoadError(f"loading {spec.path} was aborted")
+        if s.ctx_size == 0:  # the model's own context length, shared by the sequences (llama-server's -c 0)
+            s = dataclasses.replace(s, ctx_size=max(model.n_ctx_train, s.parallel))
         # The engine's context (``EngineConfig.context_options``, which the engine checks), for
         # the config ``ModelRuntime`` makes from the same settings; refused when its KV cache
         # would not fit in the memory left.
@@ -62,7 +66,7 @@ def load(spec: ModelSpec, progress: ffi.ProgressReporter) -> Loaded:
     except BaseException:
         model.close()
         raise
-    return Loaded(model, context, devices, cache_bytes)
+    return Loaded(model, context, devices, cache_bytes, s)
 
 
 class EarlyLoad:

@@ -151,7 +151,7 @@ def make_context(model: ffi.Model, settings: Settings, attention: ffi.Attention)
     and the bound in bytes of its prompt cache in host RAM (``prompt_cache_bound``) (blocking).
     Raises ``ffi.ContextError`` when the cache does not fit, or when llama.cpp fails."""
     with _CONTEXTS:
-        check_kv_fits(model, settings, attention, available_memory())
+        check_kv_fits(model, settings.ctx_size, settings.parallel, attention, available_memory())
         context = ffi.Context(
             model,
             n_ctx=settings.ctx_size,
@@ -187,29 +187,40 @@ def prompt_cache_bound(model: ffi.Model, settings: Settings, left: Available | N
     return bound
 
 
-def check_kv_fits(model: ffi.Model, settings: Settings, attention: ffi.Attention, available: Available | None) -> None:
-    """Raise ``ffi.ContextError`` when the part of the KV cache that llama.cpp will put in this
-    machine's memory is larger than ``available``; log a warning when it takes most of it."""
+def check_kv_fits(
+    model: ffi.Model,
+    n_ctx: int,
+    n_seq_max: int,
+    attention: ffi.Attention,
+    available: Available | None,
+    purpose: str = "",
+) -> None:
+    """Raise ``ffi.ContextError`` when the part of a context's KV cache (``n_ctx`` cells for
+    ``n_seq_max`` sequences) that llama.cpp will put in this machine's memory is larger than
+    ``available``; log a warning when it takes most of it. ``purpose``: which context, when
+    not the engine's (its settings are named in the error)."""
     layers = model.n_layer
     placement = model.placement
     if attention.offload_kv and placement.offloaded:
         # Layers on a GPU or an RPC server keep their cache there; the CPU's count may include
         # the output layer, so one fewer is the least that stays here.
         layers = max(0, placement.layers.get("CPU", 0) - 1)
-    need = ffi.kv_cache_bytes(model, settings.ctx_size, settings.parallel, attention, layers)
+    need = ffi.kv_cache_bytes(model, n_ctx, n_seq_max, attention, layers)
     if need is None or need == 0 or available is None:
         return
-    shape = f"{settings.ctx_size} cells x {layers} layers, K {attention.type_k} / V {attention.type_v}"
+    what = f"the KV cache of {os.path.basename(model.path)}" + (f" for {purpose}" if purpose else "")
+    shape = f"{n_ctx} cells x {layers} layers, K {attention.type_k} / V {attention.type_v}"
     if need > available.bytes:
+        lower = "--batch-size or --parallel" if purpose else "the context size (--ctx-size, or ctx_size in a preset)"
         raise ffi.ContextError(
-            f"the KV cache of {os.path.basename(model.path)} needs {need // _MIB} MiB ({shape}) but "
-            f"{available.source} leaves {available.bytes // _MIB} MiB: lower --ctx-size, or quantize "
-            "the cache (--cache-type-k q8_0 --cache-type-v q8_0)"
+            f"{what} needs {need // _MIB} MiB ({shape}) but {available.source} leaves "
+            f"{available.bytes // _MIB} MiB: lower {lower}, or quantize the cache "
+            "(--cache-type-k q8_0 --cache-type-v q8_0)"
         )
     if need > WARN_SHARE * available.bytes:
         logger.warning(
-            "the KV cache of %s takes %d MiB (%s) of the %d MiB that %s leaves",
-            os.path.basename(model.path),
+            "%s takes %d MiB (%s) of the %d MiB that %s leaves",
+            what,
             need // _MIB,
             shape,
             available.bytes // _MIB,

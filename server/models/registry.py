@@ -165,7 +165,7 @@ class ModelRegistry:
                 if runtime is not None and runtime.engine is not None and not runtime.stopping:
                     return Lease(self, runtime)
                 if runtime is not None and runtime.failed is not None:
-                    message = f"the model {spec.id!r} failed to load: {runtime.failed}"
+                    message = f"the model {spec.id!r} failed to load: {runtime.failure}"
                     raise ModelUnavailable(message, "model_load_failed")
                 if runtime is None and not self._start(spec):
                     if not blocked:

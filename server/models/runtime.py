@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pathlib
 import time
 from dataclasses import dataclass
@@ -22,10 +23,16 @@ from server.engine.embedder import Embedder, open_embedder
 from server.engine.grammar import GrammarCache, build_tokenizer
 from server.engine.grammar_limits import COMPILE_EXIT_WAIT
 from server.models.loading import EarlyLoad, Loaded, load
+from server.models.memory import available_memory, check_kv_fits
 from server.models.specs import ModelSpec
 from server.offload import DeviceUse, attention
+from server.settings import Settings
 
 logger = logging.getLogger("llama_trio.models")
+
+# A load's failures that are the model's, its file's or its settings' (one line in the log); any
+# other is a bug (logged with its traceback). Either fails the model, never the server.
+LOAD_ERRORS = (ffi.ModelLoadError, ffi.BackendError, ffi.ContextError, ffi.TemplateError)
 
 
 class TemplateFileError(OSError):
@@ -84,6 +91,20 @@ class ModelRuntime:
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = trio.Lock()
         self._compiles_stopped = False
+
+    @property
+    def failure(self) -> str | None:
+        """Why its load failed, as a client may read it: the model file named without the
+        folders it is in (the operator's; the log has them)."""
+        if self.failed is None:
+            return None
+        text = str(self.failed)
+        for folder in sorted(
+            {os.path.dirname(os.path.abspath(self.spec.path)), os.path.dirname(self.spec.path)}, key=len
+        )[::-1]:
+            if folder:
+                text = text.replace(folder + os.sep, "")
+        return text
 
     @property
     def status(self) -> str:
@@ -182,12 +203,11 @@ class ModelRuntime:
         started = self._early.started if self._early is not None else time.monotonic()
         try:
             loaded = await trio.to_thread.run_sync(self._load)
-        except (ffi.ModelLoadError, ffi.BackendError, ffi.ContextError) as exc:
-            if not self._stop.is_set():
-                logger.error("%s", exc)
-            self.failed = exc
+        except Exception as exc:
+            self._fail(exc)
             return
-        model, devices = loaded.model, loaded.devices
+        model, devices, s = loaded.model, loaded.devices, loaded.settings
+        serving = False
         try:
             template = ffi.ChatTemplate(
                 self._template_source or model.chat_template,
@@ -195,11 +215,14 @@ class ModelRuntime:
             )
             fingerprint = f"fp_{model.fingerprint()}"
             self.info = ModelInfo(self.spec.id, self.created, model.name, fingerprint, template, devices)
+            if s.embeddings:
+                check_kv_fits(
+                    model, s.batch_size * s.parallel, s.parallel, attention(s), available_memory(), "its embeddings"
+                )
             async with contextlib.AsyncExitStack() as stack:
                 engine = await stack.enter_async_context(
-                    open_engine(model, self._engine_config(loaded.cache_bytes), context=loaded.context)
+                    open_engine(model, self._engine_config(s, loaded.cache_bytes), context=loaded.context)
                 )
-                s = self.spec.settings
                 if s.embeddings:
                     self.embedder = await stack.enter_async_context(
                         open_embedder(
@@ -223,14 +246,31 @@ class ModelRuntime:
                     engine.n_ctx_seq,
                     s.threads,
                 )
+                serving = True
                 self.loaded.set()
                 await self._stop.wait()
+        except Exception as exc:
+            if serving:
+                raise
+            self._fail(exc)  # its engine or embedder could not start: this model fails, not the server
         finally:
             if await self._close_compiles():
                 model.close()
 
-    def _engine_config(self, cache_bytes: int) -> EngineConfig:
-        s = self.spec.settings
+    def _fail(self, exc: Exception) -> None:
+        """The load failed: requests for this model get ``failed`` (a 503) and the next one
+        tries again. An error of llama.cpp's or of the model's settings is one line; anything
+        else is a bug, logged with its traceback."""
+        while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:  # from the engine's nursery
+            exc = exc.exceptions[0]
+        if not self._stop.is_set():
+            if isinstance(exc, LOAD_ERRORS):
+                logger.error("%s", exc)
+            else:
+                logger.exception("the model %s could not start", self.spec.id, exc_info=exc)
+        self.failed = exc
+
+    def _engine_config(self, s: Settings, cache_bytes: int) -> EngineConfig:
         return EngineConfig(
             n_parallel=s.parallel,
             n_ctx=s.ctx_size,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.model_files import default_model_path
-from server.settings import Settings
+from server.settings import Settings, model_settings_error
 
 # A split GGUF is named NAME-00001-of-00003.gguf; llama.cpp loads the rest from the first.
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})$")
@@ -179,6 +179,9 @@ def _spec(id_: str, path: str | None, preset: dict[str, Any], settings: Settings
         found[key] = tuple(value)
     load = _typed(where, "load_on_start", preset.get("load_on_start", False))
     settings = dataclasses.replace(settings, **overrides)
+    wrong = model_settings_error(settings)
+    if wrong is not None:
+        raise ModelSpecError(f"{where}: {wrong[0]} {wrong[1]}")
     return ModelSpec(id_, path, settings, found["aliases"], bool(load), tags=found["tags"])
 
 
