@@ -73,6 +73,8 @@ class Model:
         params.vocab_only = vocab_only
         if progress is None:
             progress = ProgressReporter(os.path.basename(self.path), logger)
+        if progress.aborted:  # before llama.cpp opens the file (a slow disk, a pipe)
+            raise ModelLoadError(f"loading {self.path} was aborted")
         params.progress_callback = progress.callback
         params.progress_callback_user_data = progress.state
         self.load_params: Any = params

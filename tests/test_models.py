@@ -10,6 +10,7 @@ effects, and compare greedy answers only with other runs on this machine.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import threading
 import time
@@ -286,3 +287,32 @@ def test_a_failed_load_tells_a_client_the_file_but_not_its_folder(tmp_path: path
         assert card["status"]["value"] == "failed" and "bad.gguf" in card["status"]["error"]
         assert str(tmp_path) not in card["status"]["error"]
         assert str(tmp_path) in proc.log  # the operator's log names the whole path
+
+
+def test_a_model_larger_than_the_bound_is_refused_at_once(models_dir: pathlib.Path) -> None:
+    # Both tiny models are 8 MiB: under a 1 MiB bound neither can ever load. The request is
+    # answered now (not after --models-load-timeout), with no Retry-After.
+    with serving([*BASE, "--models-dir", str(models_dir), "--models-max-mb", "1"]) as proc:
+        refused = chat(proc.url, "tiny-a")
+        assert refused.status_code == 503 and "retry-after" not in refused.headers, refused.headers
+        error = refused.json()["error"]
+        assert error["code"] == "model_too_large" and "--models-max-mb (1 MiB)" in error["message"], error
+        assert "tiny-b" in proc.log and "larger than --models-max-mb" in proc.log  # said at start too
+
+
+def test_an_operator_can_abort_a_load(tmp_path: pathlib.Path, model_path: pathlib.Path) -> None:
+    # The model file is a pipe: its load waits for the test to write it, so it is surely under
+    # way when the unload comes. Nobody waits for it (the client that asked has gone).
+    pipe = tmp_path / "slow.gguf"
+    os.mkfifo(pipe)
+    with serving([*BASE, "--model", f"slow={pipe}", "--model", f"smol={model_path}"]) as proc:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(proc.url + "/models/load", json={"model": "slow"}, timeout=1)
+        assert statuses(proc)["slow"] == "loading"
+        unload = httpx.post(proc.url + "/models/unload", json={"model": "slow"}, timeout=10)
+        assert unload.status_code == 200 and unload.json() == {"model": "slow", "status": "unloading"}
+        with open(pipe, "wb") as writer:  # let the load go on: it finds it was aborted
+            writer.write(b"GGUF")
+        wait_for(lambda: statuses(proc)["slow"] == "unloaded", "the aborted load to end", 30)
+        assert "model slow: load aborted on request" in proc.log
+        assert chat(proc.url, "smol").status_code == 200

@@ -183,6 +183,8 @@ async def model_lease(state: ServerState, name: str | None) -> Lease:
     try:
         return await state.models.acquire(resolve(state, name).id)
     except ModelUnavailable as exc:
+        if not exc.retry:  # no Retry-After: asking again cannot help
+            raise ApiError(503, str(exc), type_="server_error", code=exc.code) from None
         raise ApiError.unavailable(str(exc), code=exc.code) from None
 
 

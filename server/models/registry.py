@@ -45,9 +45,10 @@ class ModelUnavailable(Exception):
     """The model cannot serve now (its load failed, took too long, or cannot make room); a
     client may retry later."""
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, code: str, *, retry: bool = True) -> None:
         super().__init__(message)
         self.code = code
+        self.retry = retry  # False: asking again cannot help (the operator's settings must change)
 
 
 class ModelBusy(Exception):
@@ -152,6 +153,9 @@ class ModelRegistry:
         """
         spec = self.resolve(name)
         runtime = self._runtimes.get(spec.id)
+        too_large = self._too_large(spec) if runtime is None or runtime.failed is not None else None
+        if too_large is not None:  # (one loaded at start regardless is served)
+            raise ModelUnavailable(too_large, "model_too_large", retry=False)
         if runtime is not None and runtime.failed is not None:
             del self._runtimes[spec.id]  # a new request tries the load again
         deadline = trio.current_time() + self.settings.models_load_timeout
@@ -203,9 +207,10 @@ class ModelRegistry:
         runtime = self._runtimes.get(spec.id)
         if runtime is None or runtime.stopping or runtime.failed is not None:
             return False
-        if runtime.busy or self._waiting[spec.id]:
+        loading = runtime.engine is None  # no request holds a load (they wait for it: _waiting)
+        if runtime.users or self._waiting[spec.id] or (runtime.busy and not loading):
             raise ModelBusy(f"the model {spec.id!r} has requests in flight; unload it when they are done")
-        self._stop(runtime, "unloaded on request")
+        self._stop(runtime, "load aborted on request" if loading else "unloaded on request")
         return True
 
     # -- running ----------------------------------------------------------------------------
@@ -217,6 +222,10 @@ class ModelRegistry:
         """
         async with trio.open_nursery() as models:
             self._nursery = models
+            for spec in self.specs:
+                too_large = self._too_large(spec)
+                if too_large is not None:
+                    logger.warning("%s", too_large)
             preload = [spec for spec in self.specs if spec.load_on_start]
             for spec in preload:
                 self._start(spec, force=True)
@@ -259,6 +268,18 @@ class ModelRegistry:
             self._stop(victim, f"unloaded to make room for {spec.id}")
         self._nursery.start_soon(self._run_runtime, runtime, stopping)
         return True
+
+    def _too_large(self, spec: ModelSpec) -> str | None:
+        """Why ``spec`` can never load under ``--models-max-mb`` (its file alone is larger);
+        None when it can."""
+        limit = self.settings.models_max_mb
+        size = spec.file_bytes()
+        if limit is None or size <= limit * MIB:
+            return None
+        return (
+            f"the model {spec.id!r} ({size / MIB:.0f} MiB) is larger than --models-max-mb ({limit} MiB) "
+            "allows for all the models loaded at once: it cannot be loaded"
+        )
 
     def _resident(self, runtime: ModelRuntime) -> Resident:
         busy = runtime.busy or runtime.stopping or self._waiting.get(runtime.spec.id, 0) > 0

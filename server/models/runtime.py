@@ -259,15 +259,17 @@ class ModelRuntime:
 
     def _fail(self, exc: Exception) -> None:
         """The load failed: requests for this model get ``failed`` (a 503) and the next one
-        tries again. An error of llama.cpp's or of the model's settings is one line; anything
-        else is a bug, logged with its traceback."""
+        tries again (a load stopped on purpose did not fail: it ends as unloaded). An error of
+        llama.cpp's or of the model's settings is one line; anything else is a bug, logged with
+        its traceback."""
         while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:  # from the engine's nursery
             exc = exc.exceptions[0]
-        if not self._stop.is_set():
-            if isinstance(exc, LOAD_ERRORS):
-                logger.error("%s", exc)
-            else:
-                logger.exception("the model %s could not start", self.spec.id, exc_info=exc)
+        if isinstance(exc, LOAD_ERRORS):
+            if self._stop.is_set():  # stopped while it loaded (an unload, the shutdown): not a failure
+                return
+            logger.error("%s", exc)
+        else:
+            logger.exception("the model %s could not start", self.spec.id, exc_info=exc)
         self.failed = exc
 
     def _engine_config(self, s: Settings, cache_bytes: int) -> EngineConfig:
