@@ -88,14 +88,26 @@ def bundle_libraries(prefix: pathlib.Path, target_dir: pathlib.Path) -> list[pat
     target_dir.mkdir(parents=True, exist_ok=True)
     for pattern in _OLD_COPIES:
         for old in target_dir.glob(pattern):
-            old.unlink()
+            if old.name not in chosen:
+                old.unlink()
     copies = []
     for name, real in chosen.items():
-        copy = target_dir / name
-        shutil.copyfile(real, copy)
-        copy.chmod(0o755)
-        copies.append(copy)
+        copies.append(_install(pathlib.Path(real), target_dir / name))
     return copies
+
+
+def _install(source: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+    """Copy ``source`` to ``target`` as a new file put in place by one rename: a server running
+    from this tree keeps the file it mapped (rewriting a loaded shared object in place crashes
+    the processes that use it), and one starting meanwhile finds the old file or the new one."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(source, partial)
+        partial.chmod(0o755)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
 
 
 def make_builder(prefix: pathlib.Path, libraries: list[pathlib.Path]) -> FFI:
@@ -146,7 +158,7 @@ def build(ext_path: pathlib.Path, tmp_dir: pathlib.Path, prefix: pathlib.Path | 
     tmp_dir.mkdir(parents=True, exist_ok=True)
     with _link_command_without_rpaths():
         built = make_builder(prefix, libraries).compile(tmpdir=str(tmp_dir), verbose=False)
-    shutil.copy2(built, ext_path)
+    _install(pathlib.Path(built), ext_path)
     return [*libraries, ext_path]
 
 

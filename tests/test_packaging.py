@@ -12,6 +12,7 @@ compiled, only our extension. The venv gets its dependencies from the index (or 
 from __future__ import annotations
 
 import os
+import mmap
 import pathlib
 import re
 import shutil
@@ -52,6 +53,34 @@ def test_shipped_names_are_the_sonames_of_llama_and_ggml() -> None:
         "libggml-cuda.so": lib + "libggml-cuda.so",
         "libllama.so.0": lib + "libllama.so.0.5.0",
     }
+
+
+def test_a_rebuild_never_rewrites_a_library_in_place(tmp_path: pathlib.Path) -> None:
+    # A server running from the tree maps the libraries: a rebuild that rewrote one in place
+    # crashed it. The new copies are new files, renamed into place; an old library no longer
+    # shipped goes, and no partial file is left.
+    lib = tmp_path / "prefix" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libllama.so.0.6.0").write_bytes(b"new llama" * 1000)
+    (lib / "libllama.so.0").symlink_to("libllama.so.0.6.0")
+    target = tmp_path / "ffi"
+    target.mkdir()
+    (target / "libllama.so.0").write_bytes(b"old llama" * 1000)
+    (target / "libggml-old.so.0").write_bytes(b"gone")
+    with open(target / "libllama.so.0", "rb") as running, mmap.mmap(running.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        copies = build_ffi.bundle_libraries(tmp_path / "prefix", target)
+        assert mapped[:9] == b"old llama"  # what the running process mapped is untouched
+    assert copies == [target / "libllama.so.0"]
+    assert (target / "libllama.so.0").read_bytes()[:9] == b"new llama"
+    assert sorted(p.name for p in target.iterdir()) == ["libllama.so.0"]
+    # The extension likewise (it was copied over itself).
+    extension = target / "_llama.so"
+    extension.write_bytes(b"old ext" * 1000)
+    (tmp_path / "built.so").write_bytes(b"new ext" * 1000)
+    with open(extension, "rb") as running, mmap.mmap(running.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        build_ffi._install(tmp_path / "built.so", extension)
+        assert mapped[:7] == b"old ext"
+    assert extension.read_bytes()[:7] == b"new ext" and len(list(target.iterdir())) == 2
 
 
 def test_the_model_hint_names_the_pinned_wheel() -> None:
