@@ -11,8 +11,8 @@ compiled, only our extension. The venv gets its dependencies from the index (or 
 
 from __future__ import annotations
 
-import os
 import mmap
+import os
 import pathlib
 import re
 import shutil
