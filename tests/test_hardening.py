@@ -124,8 +124,38 @@ def health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 8000}, "invalid_value"),
         # A raw prompt dense with special tokens (parsed there), 3.9 MB.
         ("/v1/completions", {"prompt": "<|im_start|>" * 320_000}, None),
+        # A schema of a million examples (data its bounds do not count), 3 MB: 2 s walked on the loop.
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "integer", "examples": [{}] * 1_000_000}},
+                },
+            },
+            "invalid_value",
+        ),
+        # Thirty tools of 20,000 enum values each, 3.5 MB: 2 s on the loop.
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": f"f{i}",
+                            "parameters": {"type": "object", "properties": {"n": {"enum": list(range(20_000))}}},
+                        },
+                    }
+                    for i in range(30)
+                ],
+            },
+            "invalid_value",
+        ),
     ],
-    ids=["long-messages", "empty-messages", "too-many-messages", "special-dense-prompt"],
+    ids=["long-messages", "empty-messages", "too-many-messages", "special-dense-prompt", "huge-schema", "huge-tools"],
 )
 def test_health_answers_while_the_biggest_requests_are_prepared(
     server: ServerProcess, path: str, body: dict[str, Any], code: str | None

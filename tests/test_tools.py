@@ -84,6 +84,50 @@ def test_output_schema_follows_tool_choice() -> None:
         jsonschema.validate({"response": "hi"}, one)
 
 
+# A tool's parameters as Pydantic writes a nested model: references into its own $defs.
+UNITS = {
+    "$defs": {"Unit": {"type": "string", "enum": ["c", "f"]}, "Place": {"$ref": "#/$defs/City"}, "City": {"type": "string", "maxLength": 12}},
+    "type": "object",
+    "properties": {"city": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/$defs/Unit"}, "echo": {"const": {"$ref": "#/x"}}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}  # fmt: skip
+# One that refers to its whole self: a tree of names.
+TREE = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["name"],
+}
+
+
+def test_a_tools_references_mean_its_own_parts_in_the_answer() -> None:
+    specs = [
+        tools.ToolSpec("plain", "", {"type": "object"}),
+        tools.ToolSpec("units", "", UNITS),
+        tools.ToolSpec("tree", "", TREE),
+    ]
+    answer = tools.output_schema(specs, calls_only=True, parallel=True)
+
+    def call(name: str, arguments: Any) -> dict[str, Any]:
+        return {"tool_calls": [{"name": name, "arguments": arguments}]}
+
+    jsonschema.validate(call("units", {"city": "Paris", "unit": "c", "echo": {"$ref": "#/x"}}), answer)
+    for bad in (
+        {"city": "Paris", "unit": "k"},
+        {"city": "P" * 13, "unit": "c"},
+        {"city": "Paris", "unit": "c", "echo": 1},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(call("units", bad), answer)
+    jsonschema.validate(call("tree", {"name": "a", "children": [{"name": "b", "children": []}]}), answer)
+    with pytest.raises(jsonschema.ValidationError):  # a child is a tree, not the answer
+        jsonschema.validate(call("tree", {"name": "a", "children": [call("plain", {})]}), answer)
+    jsonschema.validate(call("plain", {"x": 1}), answer)
+    # the native grammar's call schema is one document too
+    native = tools.native_grammar(specs, calls_only=True, parallel=False)
+    assert '"#/$defs/llama_trio_tool_1/$defs/Unit"' in native
+
+
 # -- through the server ---------------------------------------------------------------------------
 
 WEATHER = {
@@ -319,6 +363,33 @@ def test_cancelling_mid_call_frees_everything(server: ServerProcess) -> None:
     assert m["llama_trio_kv_cells_used"] == m["llama_trio_kv_cells_cached"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_whose_parameters_refer_to_their_own_parts(sdk: openai.OpenAI, stream: bool) -> None:
+    # Refused before ("Pointer '/$defs/Unit' does not exist"): the references were read in the
+    # answer's schema.
+    units = {"type": "function", "function": {"name": "weather", "parameters": UNITS}}
+    kwargs: dict[str, Any] = {
+        "model": "x",
+        "messages": ASK,
+        "tools": [units],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "parallel_tool_calls": False,  # one call: its end is the answer's end
+    }
+    if stream:
+        chunks = list(sdk.chat.completions.create(**kwargs, stream=True))
+        arguments = "".join(
+            call.function.arguments or "" for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or ()
+        )
+        finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    else:
+        choice = sdk.chat.completions.create(**kwargs).choices[0]
+        assert choice.message.tool_calls
+        arguments, finish = choice.message.tool_calls[0].function.arguments, choice.finish_reason
+    assert finish == "tool_calls", arguments
+    jsonschema.validate(json.loads(arguments), UNITS)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -332,9 +403,14 @@ def test_cancelling_mid_call_frees_everything(server: ServerProcess) -> None:
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tools"),
         ({"messages": [*ASK, {"role": "tool", "content": "18 degrees"}]}, "messages[1].tool_call_id"),
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+        # arguments are an object: a scalar's came out as broken JSON
+        ({"tools": [WEATHER, {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}]},
+         "tools[1].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "i", "parameters": {"type": ["object", "null"]}}}]},
+         "tools[0].function.parameters"),
     ],
     ids=["unknown-choice", "choice-without-tools", "duplicate-name", "bad-parameters", "two-constraints",
-         "tool-without-id", "bad-name"],
+         "tool-without-id", "bad-name", "scalar-parameters", "nullable-parameters"],
 )  # fmt: skip
 def test_malformed_tool_requests_are_400s(server: ServerProcess, body: dict[str, Any], param: str) -> None:
     response = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body}, timeout=60)

@@ -23,7 +23,7 @@ import pytest
 from server.api.tools import NATIVE_CLOSE, NATIVE_OPEN
 from server.model_files import default_model_path
 from tests.support.process import NO_END_TOKENS, ServerProcess
-from tests.test_tools import ASK, CALL_BYTES, SCHEMAS, TOOLS, check_calls, reassembled
+from tests.test_tools import ASK, CALL_BYTES, SCHEMAS, TOOLS, UNITS, check_calls, reassembled
 
 pytestmark = pytest.mark.server
 
@@ -120,3 +120,18 @@ def test_native_auto_answers_in_text_or_calls(sdk: openai.OpenAI) -> None:
         assert choice.finish_reason in {"stop", "length"}
         assert choice.message.content or choice.finish_reason == "stop"
         assert "<tool_call>" not in (choice.message.content or "")
+
+
+def test_native_calls_of_a_tool_that_refers_to_its_own_parts(sdk: openai.OpenAI) -> None:
+    units = {"type": "function", "function": {"name": "weather", "parameters": UNITS}}
+    choice = sdk.chat.completions.create(
+        model="m",
+        messages=ASK,
+        tools=[units],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+    ).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), UNITS)

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 else:  # imported once the server is ready (server.api.lazy)
     schema = deferred("server.api.schema")
 
+MAX_ERROR_CHARS = 1000  # of a compile error's message in a 400
+
 # A function without parameters takes an empty object.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -59,6 +61,11 @@ def tool_use(req: schema.ChatCompletionRequest, *, native: bool) -> ToolUse | No
             raise ApiError(
                 400, f"two tools are named {name!r}", param=f"tools[{i}].function.name", code="invalid_value"
             )
+    for i, tool in enumerate(req.tools):
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":  # a call's arguments are an object (OpenAI and Anthropic say so)
+            message = f"a tool's parameters are the JSON Schema of an object (type 'object'), not {kind!r}"
+            raise ApiError(400, message, param=f"tools[{i}].function.parameters", code="invalid_value")
     if isinstance(choice, schema.NamedToolChoice) and choice.function.name not in names:
         message = f"tool_choice names {choice.function.name!r}, which is not among the tools"
         raise ApiError(400, message, param="tool_choice.function.name", code="invalid_value")
@@ -77,8 +84,13 @@ def _specs(req: schema.ChatCompletionRequest) -> list[tools.ToolSpec]:
         for tool in req.tools or ()
         if not isinstance(choice, schema.NamedToolChoice) or tool.function.name == choice.function.name
     ]
+    # Parameters that do not say their type are an object's all the same (``{}``: any object).
     return [
-        tools.ToolSpec(tool.function.name, tool.function.description or "", tool.function.parameters or NO_PARAMETERS)
+        tools.ToolSpec(
+            tool.function.name,
+            tool.function.description or "",
+            {"type": "object", **tool.function.parameters} if tool.function.parameters else NO_PARAMETERS,
+        )
         for tool in chosen
     ]
 
@@ -93,7 +105,11 @@ async def output_grammar(
 
     *Cancellation*: leaves the compile queue; a compile already running finishes without us.
     """
-    spec = _grammar_spec(req, use)
+    if not _asks_for_one(req, use):
+        return None
+    # A request's schemas and tools may be megabytes: walked, closed and written out in a
+    # worker thread, never on the event loop.
+    spec = await trio.to_thread.run_sync(_grammar_spec, req, use)
     if spec is None:
         return None
     kind, source, param = spec
@@ -109,6 +125,8 @@ async def output_grammar(
         message = str(exc)
         if isinstance(req, schema.ChatCompletionRequest) and param == "tools":
             param, message = await _bad_tool(model, req, scope) or (param, message)
+        if len(message) > MAX_ERROR_CHARS:  # llguidance may quote the whole grammar
+            message = message[:MAX_ERROR_CHARS] + "..."
         raise ApiError(400, f"{param}: {message}", param=param, code="invalid_value") from None
 
 
@@ -141,6 +159,15 @@ async def _bad_tool(model: ModelRuntime, req: schema.ChatCompletionRequest, scop
         except EngineError:
             return None
     return None
+
+
+def _asks_for_one(req: schema.CommonFields, use: ToolUse | None) -> bool:
+    return (
+        req.response_format is not None
+        or req.json_schema is not None
+        or req.grammar is not None
+        or (use is not None and use.constrained)
+    )
 
 
 def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[GrammarKind, str, str] | None:
@@ -188,7 +215,16 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
 def _closed(value: Any, param: str) -> Any:
     """The schema ``value`` with its objects closed (``closed_objects``), checked first against
     the bounds of ``grammar_limits`` (a 400 naming ``param``): closing walks it on the event
-    loop, and the bounds keep that walk short (10,000 subschemas, 128 deep)."""
+    loop, and the bounds keep that walk short (10,000 subschemas, 128 deep). A schema whose
+    text is past the grammar's bound is refused before any walk (data such as a million
+    ``examples`` is not bounded by the subschemas' count)."""
+    try:
+        size = len(_compact(value))
+    except (RecursionError, ValueError):
+        size = schema.MAX_GRAMMAR_CHARS + 1
+    if size > schema.MAX_GRAMMAR_CHARS:
+        message = f"{param}: the schema is larger than {schema.MAX_GRAMMAR_CHARS} characters"
+        raise ApiError(400, message, param=param, code="invalid_value")
     try:
         check_schema(value)
     except TooComplex as exc:

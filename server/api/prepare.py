@@ -16,7 +16,15 @@ from server.api import tools
 from server.api.constraints import ToolUse, output_grammar, tool_use
 from server.api.errors import ApiError
 from server.api.lazy import deferred
-from server.api.preflight import CHARS_PER_MESSAGE, model_lease, off_loop, read_json, refuse_unsupported, tokenizing
+from server.api.preflight import (
+    CHARS_PER_MESSAGE,
+    INLINE_WORK_CHARS,
+    model_lease,
+    off_loop,
+    read_json,
+    refuse_unsupported,
+    tokenizing,
+)
 from server.api.prompt import chat_tokens, text_tokens
 from server.api.respond import tenant
 from server.engine import Engine, Job
@@ -285,6 +293,8 @@ def _chat(req: schema.ChatCompletionRequest, info: ModelInfo) -> _Chat:
     continues = continues_final(req, messages, constrained=use is not None and use.constrained)
     work = sum(len(m["content"]) for m in messages) + CHARS_PER_MESSAGE * len(messages)
     template_tools = use.template_tools if use is not None else None
+    if template_tools:  # the template writes the tools' schemas out too (megabytes, at worst)
+        work += INLINE_WORK_CHARS + 1
     return _Chat(messages, use, template_tools, continues, req.add_generation_prompt is not False, work)
 
 
