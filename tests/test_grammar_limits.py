@@ -188,8 +188,10 @@ factor ::= number | "(" expr ")"
 number ::= digit+ ("." digit+)?
 digit ::= [0-9]
 """,
-    'root ::= "\\u00e9" [\\u4e00-\\u9fff]{1,3} .{2}\n',
+    'root ::= "é" [a-z\\x41-\\x5A]{1,3} [^\\n]{2}\n',
 ]
+# (Where llguidance's conversion writes Lark that is refused or means otherwise, ``test_gbnf``
+# has the forms and what they match.)
 
 
 def test_gbnf_reads_as_llguidance_reads_it() -> None:
@@ -202,7 +204,6 @@ def test_gbnf_errors() -> None:
         ('item ::= "x"', "no 'root' rule"),
         ("root ::= missing", "'missing'"),
         ("root ::= ((", "cannot read"),
-        ('root ::= a-b aB\na-b ::= "x"\na_b ::= "y"\naB ::= "z"', "one name"),
     ):
         with pytest.raises(GbnfError, match=needle):
             to_lark(text)

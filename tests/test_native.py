@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import stat
 import threading
 
@@ -230,6 +231,25 @@ def test_stop_word_under_a_grammar(server: ServerProcess) -> None:
     assert answer["stop_type"] == "word" and answer["stopping_word"] == "world"
     (last,) = stream_objects(server, "/completion", body)[-1:]
     assert last["stop_type"] == "word" and last["stopping_word"] == "world"
+
+
+def test_gbnf_with_quantified_groups_under_quantifiers(server: ServerProcess) -> None:
+    # GBNF llama.cpp takes, once a 400 quoting Lark the client never wrote. The text is the
+    # grammar's, or where the limit cuts an unbounded one short, the start of one.
+    for grammar, whole, cut in (
+        ('root ::= ("a"+)* "b"', r"a*b", r"a*"),
+        ('root ::= ("x"?)+ "." [0-9]{1,2}+', r"x*\.[0-9]+", r"x*(\.[0-9]*)?"),
+        ('root ::= (("a"|"b"){2}){2} "."', r"[ab]{4}\.", None),
+        ('root ::= ("ab"{2}){3}', r"(abab){3}", None),
+    ):
+        response = post(server, "/completion", {"prompt": "Hi", "n_predict": 24, "grammar": grammar})
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        if cut is not None and answer["stop_type"] == "limit":
+            assert re.fullmatch(cut, answer["content"]), (grammar, answer["content"])
+        else:
+            assert answer["stop_type"] == "eos", (grammar, answer)
+            assert re.fullmatch(whole, answer["content"]), (grammar, answer["content"])
 
 
 def test_response_fields(server: ServerProcess) -> None:

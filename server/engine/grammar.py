@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 import ffi
 from ffi.vocab import ATTR_CONTROL, ATTR_USER_DEFINED
-from server.engine.grammar_limits import check_gbnf, check_lark, check_schema_text, parser_limits
+from server.engine.grammar_limits import TooComplex, check_gbnf, check_lark, check_schema_text, parser_limits
 
 if TYPE_CHECKING:
     import llguidance
@@ -163,6 +163,8 @@ class GrammarCache:
 
         from server.engine import gbnf
 
+        # Lark made from GBNF: llguidance's messages quote it, and the client never wrote it.
+        translated = False
         try:
             if kind == "json_schema":
                 check_schema_text(source)
@@ -170,14 +172,18 @@ class GrammarCache:
             else:
                 if kind == "gbnf":
                     check_gbnf(source)
-                    source = gbnf.to_lark(source)
+                    lark = gbnf.to_lark(source)
+                    translated, source = lark is not source, lark
                 check_lark(source)
                 text = llguidance.LLMatcher.grammar_from_lark(source)
-        except (ValueError, RuntimeError, TypeError) as exc:  # TooComplex and GbnfError too
+        except (gbnf.GbnfError, TooComplex) as exc:
             raise GrammarError(str(exc)) from None
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise GrammarError(gbnf.lark_error(str(exc)) if translated else str(exc)) from None
         matcher = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=parser_limits())
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+            error = matcher.get_error()
+            raise GrammarError(gbnf.lark_error(error) if translated else error)
         _first_steps(matcher.deep_copy())
         return Grammar(kind, matcher)
 
