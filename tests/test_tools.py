@@ -21,7 +21,7 @@ import openai
 import pytest
 
 import ffi
-from server.api import tools
+from server.api import tool_grammar, tools
 from tests.support.jsonprefix import parse_prefix
 from tests.support.process import NO_END_TOKENS, ServerProcess
 from tests.support.waiting import wait_for
@@ -73,11 +73,11 @@ def test_answer_parser_on_an_answer_cut_short() -> None:
 
 
 def test_output_schema_follows_tool_choice() -> None:
-    specs = [tools.ToolSpec("a", "", {"type": "object"}), tools.ToolSpec("b", "", {"type": "object"})]
-    either = tools.output_schema(specs, calls_only=False, parallel=True)
+    specs = [tool_grammar.ToolSpec("a", "", {"type": "object"}), tool_grammar.ToolSpec("b", "", {"type": "object"})]
+    either = tool_grammar.output_schema(specs, calls_only=False, parallel=True)
     calls_answer = either["anyOf"][1]
     assert "maxItems" not in calls_answer["properties"]["tool_calls"]
-    one = tools.output_schema(specs[:1], calls_only=True, parallel=False)
+    one = tool_grammar.output_schema(specs[:1], calls_only=True, parallel=False)
     assert one["properties"]["tool_calls"]["maxItems"] == 1
     jsonschema.validate({"tool_calls": [{"name": "a", "arguments": {}}]}, one)
     with pytest.raises(jsonschema.ValidationError):
@@ -102,11 +102,11 @@ TREE = {
 
 def test_a_tools_references_mean_its_own_parts_in_the_answer() -> None:
     specs = [
-        tools.ToolSpec("plain", "", {"type": "object"}),
-        tools.ToolSpec("units", "", UNITS),
-        tools.ToolSpec("tree", "", TREE),
+        tool_grammar.ToolSpec("plain", "", {"type": "object"}),
+        tool_grammar.ToolSpec("units", "", UNITS),
+        tool_grammar.ToolSpec("tree", "", TREE),
     ]
-    answer = tools.output_schema(specs, calls_only=True, parallel=True)
+    answer = tool_grammar.output_schema(specs, calls_only=True, parallel=True)
 
     def call(name: str, arguments: Any) -> dict[str, Any]:
         return {"tool_calls": [{"name": name, "arguments": arguments}]}
@@ -124,7 +124,7 @@ def test_a_tools_references_mean_its_own_parts_in_the_answer() -> None:
         jsonschema.validate(call("tree", {"name": "a", "children": [call("plain", {})]}), answer)
     jsonschema.validate(call("plain", {"x": 1}), answer)
     # the native grammar's call schema is one document too
-    native = tools.native_grammar(specs, calls_only=True, parallel=False)
+    native = tool_grammar.native_grammar(specs, calls_only=True, parallel=False)
     assert '"#/$defs/llama_trio_tool_1/$defs/Unit"' in native
 
 

@@ -1,5 +1,5 @@
 """What the output must follow: a request's ``response_format``, ``json_schema`` or ``grammar``
-(structured outputs), or its ``tools`` (tool calls, ``tools.output_schema``), as a compiled
+(structured outputs), or its ``tools`` (tool calls, ``tool_grammar.output_schema``), as a compiled
 ``Grammar`` for the engine. Every problem is a 400 naming the field. JSON Schemas (a
 request's, a tool's parameters) have their objects closed first, and ``json_object`` is a
 bounded object (``json_bounds``).
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from server.api import tools
+from server.api import tool_grammar, tools
 from server.api.errors import ApiError
 from server.api.json_bounds import JSON_OBJECT, closed_objects
 from server.api.lazy import deferred
@@ -77,7 +77,7 @@ def tool_use(req: schema.ChatCompletionRequest, *, native: bool) -> ToolUse | No
     return ToolUse(tools.instruction(_specs(req), calls_only=choice is not None and choice != "auto"), True)
 
 
-def _specs(req: schema.ChatCompletionRequest) -> list[tools.ToolSpec]:
+def _specs(req: schema.ChatCompletionRequest) -> list[tool_grammar.ToolSpec]:
     choice = req.tool_choice
     chosen = [
         tool
@@ -86,7 +86,7 @@ def _specs(req: schema.ChatCompletionRequest) -> list[tools.ToolSpec]:
     ]
     # Parameters that do not say their type are an object's all the same (``{}``: any object).
     return [
-        tools.ToolSpec(
+        tool_grammar.ToolSpec(
             tool.function.name,
             tool.function.description or "",
             {"type": "object", **tool.function.parameters} if tool.function.parameters else NO_PARAMETERS,
@@ -201,9 +201,11 @@ def _grammar_spec(req: schema.CommonFields, use: ToolUse | None) -> tuple[Gramma
             for i, s in enumerate(_specs(req))
         ]
         if use.native:
-            specs.append(("lark", tools.native_grammar(given, calls_only=calls_only, parallel=parallel), "tools"))
+            specs.append(
+                ("lark", tool_grammar.native_grammar(given, calls_only=calls_only, parallel=parallel), "tools")
+            )
         else:
-            answer = tools.output_schema(given, calls_only=calls_only, parallel=parallel)
+            answer = tool_grammar.output_schema(given, calls_only=calls_only, parallel=parallel)
             specs.append(("json_schema", _compact(answer), "tools"))
     if len(specs) > 1:
         names = ", ".join(param for _, _, param in specs)
