@@ -112,3 +112,69 @@ def test_off_unless_asked(server: ServerProcess) -> None:
     response = httpx.post(server.url + "/v1/embeddings", json={"input": "x"}, timeout=30)
     assert response.status_code == 404
     assert "--embeddings" in response.json()["error"]["message"]
+
+
+# -- llama-server's own embeddings: /embedding, and /embeddings given "content" ------------------
+
+
+def test_llama_servers_embeddings_shape_and_normalisations(
+    embedding_server: ServerProcess, client: openai.OpenAI
+) -> None:
+    url = embedding_server.url
+    openai_vector = client.embeddings.create(model="x", input=TEXTS[0], encoding_format="float").data[0].embedding
+    for path, field in (("/embedding", "content"), ("/embedding", "input"), ("/embeddings", "content")):
+        answer = httpx.post(url + path, json={field: TEXTS[0]}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        (item,) = answer.json()
+        assert set(item) == {"index", "embedding"} and item["index"] == 0
+        (vector,) = item["embedding"]  # a list holding the pooled vector, as llama-server writes it
+        assert vector == pytest.approx(openai_vector, abs=1e-5)  # unit length by default (embd_normalize 2)
+    raw = httpx.post(url + "/embedding", json={"content": TEXTS[0], "embd_normalize": -1}, timeout=60).json()
+    (plain,) = raw[0]["embedding"]
+    length = math.sqrt(sum(v * v for v in plain))
+    assert [v / length for v in plain] == pytest.approx(openai_vector, abs=1e-5)
+    for norm, size in ((1, lambda v: sum(abs(x) for x in v)), (3, lambda v: sum(abs(x) ** 3 for x in v) ** (1 / 3))):
+        body = {"content": TEXTS[0], "embd_normalize": norm}
+        (scaled,) = httpx.post(url + "/embedding", json=body, timeout=60).json()[0]["embedding"]
+        assert size(scaled) == pytest.approx(1.0, abs=1e-4)
+    body = {"content": TEXTS[0], "embd_normalize": 0}
+    (int16,) = httpx.post(url + "/embedding", json=body, timeout=60).json()[0]["embedding"]
+    assert max(abs(v) for v in int16) == pytest.approx(32760, abs=0.5)
+
+
+def test_llama_servers_input_shapes(embedding_server: ServerProcess, model: Any) -> None:
+    url = embedding_server.url + "/embedding"
+    ids = model.vocab.tokenize(TEXTS[1], add_special=True)
+
+    def vectors(content: Any) -> list[list[float]]:
+        answer = httpx.post(url, json={"content": content}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return [item["embedding"][0] for item in answer.json()]
+
+    (by_text,) = vectors(TEXTS[1])
+    (by_ids,) = vectors(ids)  # token ids: one input
+    assert cosine(by_text, by_ids) == pytest.approx(1.0, abs=1e-5)
+    several = vectors([TEXTS[0], ids, [ids[0], TEXTS[1][1:]]])  # strings, ids, ids and text mixed
+    assert len(several) == 3 and cosine(several[1], by_text) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "input"),
+        ({"content": ""}, "content"),
+        ({"content": ["ok", ""]}, "content[1]"),
+        ({"content": [1, 99_999_999]}, "content"),
+        ({"content": [1.5]}, "content"),
+        ({"content": "x", "embd_normalize": -2}, "embd_normalize"),
+        ({"content": "x", "embd_normalize": True}, "embd_normalize"),
+        ({"content": "x", "encoding_format": "base64"}, "encoding_format"),
+        ({"content": ["x"] * 257}, "content"),
+    ],
+    ids=["nothing", "empty", "empty-in-list", "unknown-token", "float", "bad-norm", "bool-norm", "base64", "too-many"],
+)  # fmt: skip
+def test_llama_servers_bad_inputs_are_400s(embedding_server: ServerProcess, body: dict[str, Any], param: str) -> None:
+    response = httpx.post(embedding_server.url + "/embedding", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param if "param" in error else param in error["message"], error

@@ -21,6 +21,7 @@ from server.api.collect import collect
 from server.api.errors import ApiError
 from server.api.lazy import deferred
 from server.api.middleware import as_api_error
+from server.api.native_embed import native_embeddings
 from server.api.native_infill import INFILL_FIELDS, Fim, extra_chunks, infill_tokens
 from server.api.native_slots import slot_action, slots_list
 from server.api.native_stream import NativeStream, StreamContext
@@ -258,6 +259,12 @@ def _infill_prompt(lease: Lease, body: dict[str, Any]) -> list[int]:
     )
 
 
+@native.post("/embedding")
+async def embedding() -> Response:
+    """llama-server's embeddings (``native_embed``)."""
+    return await native_embeddings(current_state(), await read_object(), NativeApiError)
+
+
 @native.post("/tokenize")
 async def tokenize() -> Response:
     body = await read_object()
@@ -406,6 +413,7 @@ _METHODS = {
             "/infill",
             "/tokenize",
             "/detokenize",
+            "/embedding",
             "/apply-template",
             "/chat/completions/input_tokens",
             "/v1/chat/completions/input_tokens",

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from server.api.completions import complete
 from server.api.embeddings import embed
+from server.api.errors import ApiError
 from server.api.lazy import deferred
+from server.api.native_embed import native_embeddings
+from server.api.preflight import read_object
 from server.api.respond import current_state, json_response
 
 if TYPE_CHECKING:
@@ -72,4 +75,11 @@ async def completions() -> Response:
 @openai.post("/v1/embeddings")
 @openai.post("/embeddings")
 async def embeddings() -> Response:
+    """OpenAI's embeddings; a body with llama-server's ``content`` (never OpenAI's field) and no
+    ``input`` is answered as llama-server answers it there (``native_embed``)."""
+    raw = await request.get_data(as_text=False)
+    if request.path == "/embeddings" and b'"content"' in raw:
+        body = await read_object()
+        if "content" in body and "input" not in body:
+            return await native_embeddings(current_state(), body, ApiError)
     return await embed(current_state())

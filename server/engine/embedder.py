@@ -1,4 +1,4 @@
-"""``Embedder``: pooled, L2-normalised embeddings from a second llama.cpp context on the same
+"""``Embedder``: pooled, normalised (L2 by default) embeddings from a second llama.cpp context on the same
 model, made with ``embeddings`` on. Knows no HTTP.
 
     async with open_embedder(model, n_ctx=..., n_batch=..., n_seq_max=..., n_threads=...) as embedder:
@@ -53,9 +53,10 @@ class Embedder:
         self._refusal: EngineError | None = None  # after ``abort_all``: every call ends with it
         self.stats = EmbedderStats()
 
-    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        """One unit vector per input (each 1 to ``max_tokens`` tokens), in order. Raises the
-        ``EngineError`` of ``fail_waiting`` or ``abort_all`` when they end it.
+    async def embed(self, inputs: Sequence[Sequence[int]], norm: int = 2) -> list[list[float]]:
+        """One vector per input (each 1 to ``max_tokens`` tokens), in order, normalised by
+        ``norm`` (``normalized``: a unit vector by default). Raises the ``EngineError`` of
+        ``fail_waiting`` or ``abort_all`` when they end it.
 
         *Cancellation*: a decode in progress stops part-way (``Context.interrupt``) and is
         waited for (never abandoned); the sequences are cleared either way.
@@ -72,7 +73,7 @@ class Embedder:
                     call.running = True
                     for group in _pack(inputs, self._context.n_batch, self._context.n_seq_max):
                         self._context.resume()
-                        out += await self._thread.run(self._decode, group, stop=self._context.interrupt)
+                        out += await self._thread.run(self._decode, group, norm, stop=self._context.interrupt)
                         self.stats.inputs += len(group)
                 return out
         finally:
@@ -107,8 +108,9 @@ class Embedder:
         async with self._lock:
             pass
 
-    def _decode(self, group: Sequence[Sequence[int]]) -> list[list[float]]:
-        """In the decode thread: one decode of ``group``, one sequence each."""
+    def _decode(self, group: Sequence[Sequence[int]], norm: int) -> list[list[float]]:
+        """In the decode thread: one decode of ``group``, one sequence each; the vectors
+        normalised by ``norm``."""
         batch, context = self._batch, self._context
         batch.clear()
         try:
@@ -119,7 +121,7 @@ class Embedder:
             except ffi.DecodeAbortedError:  # its caller was cancelled (``embed``) and hears nothing of it
                 self.stats.interrupted += 1
                 raise
-            return [_unit(context.embedding(seq_id)) for seq_id in range(len(group))]
+            return [normalized(context.embedding(seq_id), norm) for seq_id in range(len(group))]
         finally:
             context.clear()
 
@@ -145,9 +147,21 @@ def _pack(inputs: Sequence[Sequence[int]], n_batch: int, n_seq_max: int) -> list
     return groups
 
 
-def _unit(vector: list[float]) -> list[float]:
-    norm = math.sqrt(sum(v * v for v in vector))
-    return [v / norm for v in vector] if norm > 0 else vector
+def normalized(vector: list[float], norm: int = 2) -> list[float]:
+    """``vector`` scaled as llama.cpp's ``embd_normalize`` says: -1 as it is, 0 its largest
+    magnitude to 32760 (the int16 range), 2 to unit length, any other p > 0 to unit p-norm (1:
+    taxicab). A zero vector stays zero."""
+    if norm == -1:
+        return vector
+    if norm == 0:
+        size = max((abs(v) for v in vector), default=0.0) / 32760.0
+    elif norm == 2:
+        size = math.sqrt(sum(v * v for v in vector))
+    elif norm > 0:
+        size = sum(abs(v) ** norm for v in vector) ** (1.0 / norm)
+    else:
+        raise ValueError(f"no normalisation {norm}")
+    return [v / size for v in vector] if size > 0 else [0.0] * len(vector)
 
 
 def model_pooling(model: ffi.Model) -> str:
