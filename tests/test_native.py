@@ -551,6 +551,14 @@ def test_slot_actions_are_checked(configured: ServerProcess) -> None:
     native_error(post(configured, "/slots/0?action=restore", {"filename": "missing.bin"}), 404, "not_found_error")
 
 
+@pytest.mark.parametrize("id_slot", ["9" * 5000, "0" * 5000 + "1", "1" + "0" * 20, "-1", "x"])
+def test_slot_ids_of_any_length_are_checked(configured: ServerProcess, id_slot: str) -> None:
+    """Found by review: an id of more than 4300 digits was a 500 (int() refuses it)."""
+    for action in ("erase", "save"):
+        error = native_error(post(configured, f"/slots/{id_slot}?action={action}", {"filename": "a.bin"}), 400)
+        assert error["message"].startswith("invalid slot id")
+
+
 def test_slot_save_erase_restore(configured: ServerProcess) -> None:
     prompt = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
     body = {"prompt": prompt, "n_predict": 2, "ignore_eos": True}

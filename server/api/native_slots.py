@@ -77,11 +77,12 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
         message = "this server does not save or restore slots; start it with --slot-save-path"
         raise ApiError(501, message, code="not_supported")
     engine, info = lease.engine, lease.info
-    if not id_slot.isascii() or not id_slot.isdigit() or int(id_slot) >= engine.config.n_parallel:
+    seq_id = slot_number(id_slot)
+    if seq_id is None or seq_id >= engine.config.n_parallel:
         raise ApiError(400, f"invalid slot id {id_slot[:16]!r}", param="id_slot", code="invalid_value")
     if action not in ACTIONS:
         raise ApiError(400, f"invalid action {action[:16]!r}; one of save, restore, erase", param="action")
-    seq_id, scope = int(id_slot), cache_scope(None)
+    scope = cache_scope(None)
     started = time.monotonic()
     if action == "erase":
         op = await _engine_op(engine, SlotOp("erase", seq_id, scope))
@@ -116,6 +117,18 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
     ms = (time.monotonic() - started) * 1000
     payload = {"id_slot": seq_id, "filename": filename, "n_restored": len(tokens), "n_read": size}
     return json_response({**payload, "timings": {"restore_ms": ms}})
+
+
+# More digits than any slot number has (int() refuses over 4300 digits): no such slot.
+_MAX_SLOT_DIGITS = 9
+
+
+def slot_number(id_slot: str) -> int | None:
+    """The slot number a path names (ASCII digits, leading zeros allowed), or None."""
+    if not id_slot.isascii() or not id_slot.isdigit():
+        return None
+    digits = id_slot.lstrip("0") or "0"
+    return int(digits) if len(digits) <= _MAX_SLOT_DIGITS else None
 
 
 def _storage(filename: str, exc: slot_file.StorageError) -> ApiError:
