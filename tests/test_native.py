@@ -8,6 +8,7 @@ import os
 import pathlib
 import stat
 import threading
+import time
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ import ffi
 from bench.random_model import SHAPES, write_model
 from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 from tests.support.waiting import wait_for
+from tests.test_hardening import health_latencies
 
 pytestmark = pytest.mark.server
 
@@ -264,6 +266,37 @@ def test_logit_bias_forms(server: ServerProcess) -> None:
     for bias in ([[first, False]], {str(first): -100}, [[text, -100]]):
         (other,) = post(server, "/completion", {**body, "logit_bias": bias}).json()["tokens"]
         assert other != first, bias
+
+
+def health_while(server: ServerProcess, path: str, body: dict) -> tuple[httpx.Response, list[float]]:
+    """``body``'s answer, and how long each ``/health`` took while it was prepared."""
+    data = json.dumps(body).encode()
+    assert len(data) < 4 * 1024 * 1024  # under the body limit
+    latencies: list[float] = []
+    stop = threading.Event()
+    prober = threading.Thread(target=health_latencies, args=(server.url, stop, latencies))
+    prober.start()
+    try:
+        time.sleep(0.2)
+        headers = {"Content-Type": "application/json"}
+        response = httpx.post(server.url + path, content=data, headers=headers, timeout=120)
+    finally:
+        stop.set()
+        prober.join()
+    assert len(latencies) >= 5
+    return response, latencies
+
+
+@pytest.mark.parametrize("form", ["array", "object"])
+def test_logit_bias_text_is_tokenized_off_the_event_loop(server: ServerProcess, form: str) -> None:
+    """Found by review: 300 logit_bias texts of 13 KB (3.9 MB) were tokenized on the event
+    loop, /health waiting about 3 s: the estimate of the parse's work counted the prompt only."""
+    texts = [f"{i} " + "word " * 2600 for i in range(300)]
+    bias = [[text, 0.0] for text in texts] if form == "array" else dict.fromkeys(texts, 0.0)
+    body = {"prompt": "hi", "n_predict": 1, "logit_bias": bias}
+    response, latencies = health_while(server, "/completion", body)
+    assert response.status_code == 200, response.text
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
 
 
 @pytest.mark.parametrize("samplers", [5, 0, -1, 1.5, True, [{"a": 1}], [[]]])
