@@ -499,16 +499,21 @@ def test_infill_needs_fim_tokens(server: ServerProcess) -> None:
     assert "FIM" in error["message"]
 
 
-def test_infill_on_a_model_with_fim_tokens(tmp_path: pathlib.Path, model_path: pathlib.Path, model: ffi.Model) -> None:
-    """Found by review: /infill's own fields reached /completion's check of its fields, so on a
-    model with FIM tokens every request was a 400 ('input_prefix' is not supported)."""
+def write_fim_model(model: ffi.Model, model_path: pathlib.Path, target: pathlib.Path) -> None:
+    """A tiny model on the default model's vocabulary, with three of its tokens as FIM's
+    prefix, suffix and middle tokens (<filename>, <gh_stars>, <issue_start>)."""
     vocab = model.vocab
     pre, suf, mid = (
         vocab.tokenize(t, add_special=False, parse_special=True)[0]
         for t in ("<filename>", "<gh_stars>", "<issue_start>")
     )
-    fim = (pre, suf, mid)
-    write_model(model_path, tmp_path / "fim.gguf", SHAPES["tiny"], seed=4, fim=fim)
+    write_model(model_path, target, SHAPES["tiny"], seed=4, fim=(pre, suf, mid))
+
+
+def test_infill_on_a_model_with_fim_tokens(tmp_path: pathlib.Path, model_path: pathlib.Path, model: ffi.Model) -> None:
+    """Found by review: /infill's own fields reached /completion's check of its fields, so on a
+    model with FIM tokens every request was a 400 ('input_prefix' is not supported)."""
+    write_fim_model(model, model_path, tmp_path / "fim.gguf")
     body = {
         "input_prefix": "def f():\n",
         "input_suffix": "\n",
@@ -534,6 +539,25 @@ def test_infill_on_a_model_with_fim_tokens(tmp_path: pathlib.Path, model_path: p
         native_error(post(server, "/infill", {**body, "input_prefix": 5}), 400)
         native_error(post(server, "/infill", {**body, "mirostat": 2}), 400)  # still /completion's check
         assert server.metrics()["llama_trio_active_sequences"] == 0
+
+
+def test_infill_texts_are_tokenized_off_the_event_loop(
+    tmp_path: pathlib.Path, model_path: pathlib.Path, model: ffi.Model
+) -> None:
+    """Found by review: /infill's input_suffix and input_extra (3.9 MB of either) were tokenized
+    on the event loop, /health waiting seconds: the estimate counted the prefix and prompt only."""
+    write_fim_model(model, model_path, tmp_path / "fim.gguf")
+    body = {"input_prefix": "def f():\n", "prompt": "    return", "n_predict": 1}
+    big = [
+        {"input_suffix": "word " * 780_000},
+        {"input_suffix": "\n", "input_extra": [{"filename": "f.py", "text": "word " * 2600}] * 300},
+        {"input_suffix": "\n", "input_extra": [{"text": "w"}] * 20_000},  # many small files
+    ]
+    with serving(["--model", str(tmp_path / "fim.gguf"), "--parallel", "1", "--ctx-size", "2048"]) as server:
+        for fields in big:
+            response, latencies = health_while(server, "/infill", {**body, **fields})
+            assert response.status_code == 200, response.text
+            assert max(latencies) < 1.0, (list(fields), sorted(latencies)[-5:])
 
 
 def test_slot_actions_without_a_folder(server: ServerProcess) -> None:

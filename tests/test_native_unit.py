@@ -245,3 +245,19 @@ def test_slot_op_refusals() -> None:
     assert refusal(SlotOp("save", 0, "b:"), slot) is None
     slot.choice = object()  # type: ignore[assignment]
     assert isinstance(refusal(SlotOp("restore", 0, "b:"), slot), SlotBusy)
+
+
+def test_parse_work_counts_every_text_the_parse_tokenizes() -> None:
+    """Found by review: logit_bias texts, /infill's suffix and extra files were not counted, so
+    their tokenizing ran on the event loop."""
+    from server.api.native import parse_work
+    from server.api.preflight import INLINE_WORK_CHARS
+
+    text = "a" * INLINE_WORK_CHARS
+    assert parse_work({"prompt": "x", "logit_bias": [[1, 1.0]] * 300}, infill=False) <= INLINE_WORK_CHARS
+    for body in ({"logit_bias": [[text, 1.0]]}, {"logit_bias": {text: 1.0}}, {"logit_bias": [["a", 1]] * 40}):
+        assert parse_work({"prompt": "x", **body}, infill=False) > INLINE_WORK_CHARS, body
+    for body in ({"input_suffix": text}, {"input_extra": [{"text": text}]}, {"input_extra": [{"text": ""}] * 20}):
+        assert parse_work({"prompt": "x", "input_prefix": "", **body}, infill=True) > INLINE_WORK_CHARS, body
+    # Refused entries count for nothing (the parse stops there).
+    assert parse_work({"prompt": "x", "input_extra": [5, {"text": text}]}, infill=True) <= INLINE_WORK_CHARS

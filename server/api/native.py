@@ -11,6 +11,7 @@ llama-server's shape (``{"error": {"code", "message", "type"}}``).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response, request
@@ -25,7 +26,15 @@ from server.api.middleware import as_api_error
 from server.api.native_infill import INFILL_FIELDS, Fim, extra_chunks, infill_tokens
 from server.api.native_slots import slot_action, slots_list
 from server.api.native_stream import NativeStream, StreamContext
-from server.api.preflight import leased, model_name, off_loop, read_json, read_object, tokenizing
+from server.api.preflight import (
+    INLINE_WORK_CHARS,
+    leased,
+    model_name,
+    off_loop,
+    read_json,
+    read_object,
+    tokenizing,
+)
 from server.api.prepare import Prepared, chat_text, prepare_request, prompt_tokens
 from server.api.prompt import text_tokens
 from server.api.respond import current_state, json_response
@@ -193,19 +202,38 @@ TOKENIZE_CALL_CHARS = 64
 
 def parse_work(body: dict[str, Any], *, infill: bool) -> int:
     """How much text parsing ``body`` tokenizes, in characters (``off_loop``'s estimate): the
-    prompt, /infill's input_prefix, and the texts of ``logit_bias`` (each text a tokenizer call).
-    Only the entries the parse reads count (``logit_bias`` is refused past its bound before any
-    is tokenized), so this walk stays short whatever the body holds."""
+    prompt, the texts of ``logit_bias`` and /infill's prefix, suffix and extra files (each text
+    a tokenizer call). The walk stops once past ``INLINE_WORK_CHARS`` (all ``off_loop`` asks),
+    so it stays short whatever the body holds."""
     work = len(str(body.get("prompt", "")))
+    for text in _parsed_texts(body, infill=infill):
+        if work > INLINE_WORK_CHARS:
+            break
+        work += len(text) + TOKENIZE_CALL_CHARS
+    return work
+
+
+def _parsed_texts(body: dict[str, Any], *, infill: bool) -> Iterator[str]:
+    """The texts besides the prompt that parsing ``body`` tokenizes, one per tokenizer call, up
+    to the first entry the parse refuses."""
     if infill:
-        work += len(str(body.get("input_prefix", "")))
+        for name in ("input_prefix", "input_suffix"):
+            value = body.get(name)
+            if isinstance(value, str):
+                yield value
+        extra = body.get("input_extra")
+        for chunk in extra if isinstance(extra, list) else ():
+            if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+                break  # refused there
+            filename = chunk.get("filename")
+            yield filename if isinstance(filename, str) else ""  # its name, or the separator
+            yield chunk["text"]
     bias = body.get("logit_bias")
-    texts = bias.keys() if isinstance(bias, dict) else bias if isinstance(bias, list) else ()
-    for entry in itertools.islice(texts, schema.MAX_LOGIT_BIAS + 1):
+    entries = bias.keys() if isinstance(bias, dict) else bias if isinstance(bias, list) else ()
+    for entry in itertools.islice(entries, schema.MAX_LOGIT_BIAS + 1):  # more: refused first
         text = entry[0] if isinstance(entry, list) and entry else entry
         if isinstance(text, str):
-            work += len(text) + TOKENIZE_CALL_CHARS
-    return work
+            yield text
 
 
 def native_prompts(value: Any, vocab: native_schema.Tokenizer) -> list[list[int]]:
