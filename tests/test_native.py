@@ -307,8 +307,32 @@ def test_samplers_of_another_type_are_a_400(server: ServerProcess, samplers: obj
 
 def test_logit_bias_id_of_many_digits_is_outside_the_vocabulary(server: ServerProcess) -> None:
     """Found by review: int() of 5000 digits raised (a 500); it is skipped as any unknown id."""
-    body = {"prompt": "hi", "n_predict": 2, "logit_bias": [["9" * 5000, 1]]}
-    assert post(server, "/completion", body).status_code == 200
+    for bias in ({"9" * 5000: 1}, {" -" + "9" * 5000: 1}, [["9" * 5000, 1]]):
+        assert post(server, "/completion", {"prompt": "hi", "n_predict": 2, "logit_bias": bias}).status_code == 200
+
+
+def test_logit_bias_ids_and_texts_as_llama_server_reads_them(server: ServerProcess) -> None:
+    """Found by review: an array's digit string was read as a token id, and an object's key
+    " 15" as text; llama-server reads the first as text, the second (strtol) as id 15."""
+    (seven,) = tokenize(server, "7", parse_special=False)
+    digits = str(seven)  # another token's id: its text's tokens are not that token
+    digit_tokens = tokenize(server, digits, parse_special=False)
+    assert seven not in digit_tokens
+    body = {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True}
+
+    def pick(bias: object) -> int:
+        answer = post(server, "/completion", {**body, "logit_bias": bias})
+        assert answer.status_code == 200, answer.text
+        (token,) = answer.json()["tokens"]
+        return token
+
+    # An array's string is text, digits or not: its tokens get the bias (+100 wins the pick).
+    assert pick([[digits, 100]]) in digit_tokens
+    # An object's key is an id when strtol reads all of it as a number (white space and a sign
+    # first), and text otherwise.
+    for key in (digits, f" {digits}", f"+{digits}", f"\t\n 0{digits}"):
+        assert pick({key: 100}) == seven, key
+    assert pick({f"{digits} ": 100}) in tokenize(server, f"{digits} ", parse_special=False)
 
 
 def test_refused_and_neutral_fields(server: ServerProcess) -> None:

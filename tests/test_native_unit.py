@@ -108,12 +108,54 @@ def test_json_schema_and_grammar_are_one_or_the_other() -> None:
 
 def test_logit_bias_forms() -> None:
     vocab = FakeVocab()
-    assert native_schema.logit_bias([[65, 1.5], ["7", -2]], vocab) == {"65": 1.5, "7": -2.0}
+    assert native_schema.logit_bias([[65, 1.5], ["7", -2]], vocab) == {"65": 1.5, "55": -2.0}  # "7": text
     assert native_schema.logit_bias({"66": False}, vocab) == {"66": -math.inf}
     assert native_schema.logit_bias([["ab", -100]], vocab) == {"97": -100.0, "98": -100.0}
+    assert native_schema.logit_bias({"ab": -100}, vocab) == {"97": -100.0, "98": -100.0}
     assert native_schema.logit_bias([[5000, 1]], vocab) is None  # outside the vocabulary: skipped
-    assert native_schema.logit_bias([["9" * 5000, 1]], vocab) is None  # more digits than int() takes: skipped too
-    assert native_schema.logit_bias([["0" * 5000 + "7", 1]], vocab) == {"7": 1.0}
+    assert native_schema.logit_bias({"9" * 5000: 1}, vocab) is None  # more digits than int() takes: skipped too
+    assert native_schema.logit_bias({"0" * 5000 + "7": 1}, vocab) == {"7": 1.0}
+    assert native_schema.logit_bias([["0" * 5000 + "7", 1]], vocab) == {"48": 1.0, "55": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("key", "named"),
+    [
+        # What strtol(key, &end, 10) reads whole (*end == 0), as llama-server decides.
+        ("15", 15),
+        (" 15", 15),
+        ("\t\n\v\f\r 15", 15),
+        ("+15", 15),
+        ("-15", -15),
+        ("-0", 0),
+        ("007", 7),
+        ("", 0),  # strtol reads nothing and stops at the end
+        ("15\0junk", 15),  # C reads the key up to its NUL
+        ("\0junk", 0),
+        ("9" * 5000, -1),  # overflow: skipped
+        # Text.
+        ("15 ", None),
+        ("15x", None),
+        ("0x1f", None),
+        (" ", None),
+        ("+", None),
+        ("- 5", None),
+        ("+-5", None),
+        ("1.5", None),
+        ("1e3", None),
+        ("\u00a015", None),  # not C white space
+        ("\u0661", None),  # not an ASCII digit
+        ("abc", None),
+    ],
+)
+def test_logit_bias_object_keys_read_as_strtol(key: str, named: int | None) -> None:
+    assert native_schema.key_id(key) == named
+    vocab = FakeVocab()
+    bias = native_schema.logit_bias({key: 1.0}, vocab)
+    if named is None:
+        assert bias == ({str(ord(c)): 1.0 for c in key if ord(c) < vocab.n_tokens} or None)
+    else:
+        assert bias == ({str(named): 1.0} if 0 <= named < vocab.n_tokens else None)
     assert native_schema.logit_bias(None, vocab, ignore_eos=True) == {"0": -math.inf, "1": -math.inf}
     for bad in ([[1]], [[1, "x"]], "x", [[None, 1]], [[1, math.nan]]):
         with pytest.raises(native_schema.NativeError):
