@@ -305,6 +305,16 @@ def test_samplers_of_another_type_are_a_400(server: ServerProcess, samplers: obj
     assert "samplers" in error["message"]
 
 
+@pytest.mark.parametrize(("temperature", "used"), [(5.0, 5.0), (1e30, 1e30), (1e300, 3.4028234663852886e38), (-1, 0)])
+def test_temperature_above_two_is_taken(server: ServerProcess, temperature: float, used: float) -> None:
+    """Found by review: a temperature above 2 was brought down to 2 without a word; llama-server
+    takes any from 0 up (a float: 1e300 is its largest). The answer says the one it sampled with."""
+    body = {"prompt": PROMPT, "n_predict": 4, "ignore_eos": True, "temperature": temperature, "top_k": 0}
+    for answer in (post(server, "/completion", body).json(), stream_objects(server, "/completion", body)[-1]):
+        assert answer["tokens_predicted"] == 4
+        assert answer["generation_settings"]["temperature"] == used
+
+
 def test_logit_bias_id_of_many_digits_is_outside_the_vocabulary(server: ServerProcess) -> None:
     """Found by review: int() of 5000 digits raised (a 500); it is skipped as any unknown id."""
     for bias in ({"9" * 5000: 1}, {" -" + "9" * 5000: 1}, [["9" * 5000, 1]]):

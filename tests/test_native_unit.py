@@ -41,7 +41,10 @@ def test_defaults_are_llama_servers() -> None:
 def test_aliases_clamps_and_limits() -> None:
     req, options = parse(max_tokens=7, logprobs=3, n_cmpl=2, temperature=5.0, top_p=1.5)
     assert req.max_tokens == 7 and req.logprobs == 3 and options.n_probs == 3 and req.n == 2
-    assert req.temperature == 2.0 and req.top_p == 1.0  # brought into range, as there
+    assert req.temperature == 5.0 and req.top_p == 1.0  # brought into range, as there ([0, inf) for temperature)
+    assert (
+        parse(temperature=-1)[0].temperature == 0.0 and parse(temperature=1e300)[0].temperature == native_schema.FLT_MAX
+    )
     with pytest.raises(native_schema.NativeError):
         parse(n_predict=0)
     with pytest.raises(native_schema.NativeError):

@@ -31,6 +31,7 @@ NATIVE_TOP_K = 40
 NATIVE_TOP_P = 0.95
 NATIVE_MIN_P = 0.05
 MAX_N_PROBS = 20
+FLT_MAX = 3.4028234663852886e38  # C's largest float
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "draw a random seed"
 # llama.cpp's default sampler order, which is ours (penalties, top-k, top-p, min-p, temperature;
 # the others off): as names, and as its one-letter form.
@@ -283,8 +284,9 @@ def completion_request(
         "prompt": prompts[0] if len(prompts) == 1 else prompts,
         "stream": _flag(body, "stream"),
         "max_tokens": None if n_predict < 0 else n_predict,
-        # Out of range: brought into it, as llama-server does for these.
-        "temperature": _clamped(body, "temperature", 0.0, 2.0, _or(defaults.temperature, NATIVE_TEMPERATURE)),
+        # Out of range: brought into it, as llama-server does for these (its temperature is any
+        # float from 0 up; the sampler takes a float, so the largest float, not infinity).
+        "temperature": _clamped(body, "temperature", 0.0, FLT_MAX, _or(defaults.temperature, NATIVE_TEMPERATURE)),
         "top_k": int(_clamped(body, "top_k", 0, 2**31 - 1, NATIVE_TOP_K, integer=True)),
         "top_p": _clamped(body, "top_p", 0.0, 1.0, NATIVE_TOP_P),
         "min_p": _clamped(body, "min_p", 0.0, 1.0, NATIVE_MIN_P),
