@@ -740,6 +740,40 @@ def test_slots_stay_within_a_tenant(tmp_path: pathlib.Path) -> None:
         native_error(anonymous, 401, "authentication_error")  # before the route, in its shape too
 
 
+def as_tenant(server: ServerProcess, key: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def cached_in(server: ServerProcess, key: str, id_slot: int) -> int:
+    slots = httpx.get(server.url + "/slots", headers={"Authorization": f"Bearer {key}"}, timeout=60).json()
+    return int(slots[id_slot]["n_cached_tokens"])
+
+
+TENANTS = ["--threads", "2", "--api-key", "alice", "--api-key", "bob"]
+
+
+def test_a_restore_over_another_tenants_cache_is_refused(tmp_path: pathlib.Path) -> None:
+    """Found by review: Bob could not erase the sequence Alice's request left, but he could
+    restore a file of his own over it, which dropped her cells all the same."""
+    with serving(["--parallel", "2", "--ctx-size", "1024", *TENANTS, "--slot-save-path", str(tmp_path)]) as server:
+        alice = {"prompt": "Alice's secret plan is to", "n_predict": 1, "id_slot": 1}
+        assert as_tenant(server, "alice", "/completion", alice).status_code == 200
+        bob = {"prompt": "Bob's plan is to", "n_predict": 1, "id_slot": 0}
+        assert as_tenant(server, "bob", "/completion", bob).status_code == 200
+        assert as_tenant(server, "bob", "/slots/0?action=save", {"filename": "bob.bin"}).status_code == 200
+        held = cached_in(server, "alice", 1)
+        assert held > 0
+        for action, body in (("erase", {}), ("restore", {"filename": "bob.bin"})):
+            error = native_error(as_tenant(server, "bob", f"/slots/1?action={action}", body), 409)
+            assert "another client's cache" in error["message"], action
+        assert cached_in(server, "alice", 1) == held  # her cells are still there, and serve her
+        assert as_tenant(server, "alice", "/completion", alice).json()["timings"]["cache_n"] > 0
+        # Over his own cache, or an empty sequence, Bob restores.
+        assert as_tenant(server, "bob", "/slots/0?action=restore", {"filename": "bob.bin"}).status_code == 200
+        assert as_tenant(server, "alice", "/slots/1?action=erase", {}).status_code == 200
+        assert as_tenant(server, "bob", "/slots/1?action=restore", {"filename": "bob.bin"}).status_code == 200
+
+
 def test_native_routes_name_their_model(tmp_path: pathlib.Path, model_path: pathlib.Path) -> None:
     """With several models, a body's ``model`` (or ``?model=`` on GET) picks the one a native
     route uses, loaded on demand as on the OpenAI routes; an unknown one is a 404 in llama-server's

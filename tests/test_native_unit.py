@@ -286,7 +286,8 @@ def test_slot_op_refusals() -> None:
     slot.cached, slot.scope = [1, 2], "b:"
     assert isinstance(refusal(SlotOp("save", 0, "a:"), slot), SlotBusy)  # another tenant's cache
     assert isinstance(refusal(SlotOp("erase", 0, "a:"), slot), SlotBusy)
-    assert refusal(SlotOp("restore", 0, "a:"), slot) is None  # replaces it, reads nothing
+    assert isinstance(refusal(SlotOp("restore", 0, "a:"), slot), SlotBusy)  # would drop it
+    assert refusal(SlotOp("restore", 0, "b:"), slot) is None
     assert refusal(SlotOp("save", 0, "b:"), slot) is None
     slot.choice = object()  # type: ignore[assignment]
     assert isinstance(refusal(SlotOp("restore", 0, "b:"), slot), SlotBusy)

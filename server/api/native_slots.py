@@ -2,8 +2,9 @@
 (``POST /slots/ID?action=save|restore|erase``).
 
 The list gives counts only, never a sequence's tokens or text: with API keys, sequences hold
-other tenants' prompts. For the same reason a caller saves or erases only a sequence that holds
-its own tenant's cache (or nothing), and what it restores is its own from then on. Save and
+other tenants' prompts. For the same reason a caller saves, erases or restores into only a
+sequence that holds its own tenant's cache (or nothing), and what it restores is its own from
+then on. Save and
 restore keep files in the ``--slot-save-path`` folder only: a file name that is not a plain name
 in that folder (a path, ``..``, a hidden file) is refused, links are not followed, and an entry
 that is not a regular file (a directory, a FIFO) is neither read nor replaced (``slot_file``).
