@@ -668,6 +668,28 @@ def test_slot_save_erase_restore(configured: ServerProcess) -> None:
     assert again["timings"]["cache_n"] >= n_prompt - 1
 
 
+def test_slot_actions_take_the_cache_salt(configured: ServerProcess) -> None:
+    """Found by review: a sequence filled with a cache_salt could not be saved or erased by its
+    owner even with the same salt: the slot actions always took the scope without one."""
+    post(configured, "/completion", {"prompt": "Hello there, salted", "n_predict": 1, "cache_salt": "s1"})
+    salted = {"filename": "salted.bin", "cache_salt": "s1"}
+    error = native_error(post(configured, "/slots/0?action=save", {"filename": "salted.bin"}), 409)
+    assert "another client's cache" in error["message"]  # the unsalted scope is another's
+    native_error(post(configured, "/slots/0?action=save", {**salted, "cache_salt": "s2"}), 409)
+    saved = post(configured, "/slots/0?action=save", salted)
+    assert saved.status_code == 200, saved.text
+    native_error(post(configured, "/slots/0?action=erase", {}), 409)
+    assert post(configured, "/slots/0?action=erase", {"cache_salt": "s1"}).json()["n_erased"] > 0
+    # The file is the salted scope's: restored with that salt only.
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "salted.bin"}), 404, "not_found_error")
+    restored = post(configured, "/slots/0?action=restore", salted)
+    assert restored.status_code == 200 and restored.json()["n_restored"] == saved.json()["n_saved"]
+    assert post(configured, "/slots/0?action=erase", {"cache_salt": "s1"}).status_code == 200
+    for bad in ("", 5, "x" * 257):
+        error = native_error(post(configured, "/slots/0?action=erase", {"cache_salt": bad}), 400)
+        assert "cache_salt" in error["message"]
+
+
 def test_slot_files_are_checked(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
     post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
     assert post(configured, "/slots/0?action=save", {"filename": "good.bin"}).status_code == 200

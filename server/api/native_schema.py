@@ -273,9 +273,7 @@ def completion_request(
     stop = [s for s in stop if s]
     if len(stop) > schema.MAX_STOP_STRINGS:
         raise NativeError(f"at most {schema.MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
-    salt = body.get("cache_salt")
-    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= schema.MAX_CACHE_SALT):
-        raise NativeError(f"cache_salt must be a string of 1 to {schema.MAX_CACHE_SALT} characters", "cache_salt")
+    salt = cache_salt(body)
     fields = body.get("response_fields") or []
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise NativeError("response_fields must be a list of strings", "response_fields")
@@ -315,6 +313,15 @@ def completion_request(
         ignore_eos=_flag(body, "ignore_eos"),
     )
     return req, options
+
+
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """``body``'s ``cache_salt`` (a scope of its own within the tenant), checked as on the
+    OpenAI routes."""
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= schema.MAX_CACHE_SALT):
+        raise NativeError(f"cache_salt must be a string of 1 to {schema.MAX_CACHE_SALT} characters", "cache_salt")
+    return salt
 
 
 def _json_schema(body: dict[str, Any]) -> dict[str, Any] | None:

@@ -3,8 +3,8 @@
 
 The list gives counts only, never a sequence's tokens or text: with API keys, sequences hold
 other tenants' prompts. For the same reason a caller saves, erases or restores into only a
-sequence that holds its own tenant's cache (or nothing), and what it restores is its own from
-then on. Save and
+sequence that holds its own scope's cache (or nothing), and what it restores is its own from
+then on: its scope is its tenant's and the body's ``cache_salt``, as for its completions. Save and
 restore keep files in the ``--slot-save-path`` folder only: a file name that is not a plain name
 in that folder (a path, ``..``, a hidden file) is refused, links are not followed, and an entry
 that is not a regular file (a directory, a FIFO) is neither read nor replaced (``slot_file``).
@@ -22,7 +22,7 @@ from typing import Any
 import trio
 from quart import Response
 
-from server.api import slot_file
+from server.api import native_schema, slot_file
 from server.api.errors import ApiError
 from server.api.prepare import cache_scope
 from server.api.respond import json_response
@@ -83,7 +83,10 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
         raise ApiError(400, f"invalid slot id {id_slot[:16]!r}", param="id_slot", code="invalid_value")
     if action not in ACTIONS:
         raise ApiError(400, f"invalid action {action[:16]!r}; one of save, restore, erase", param="action")
-    scope = cache_scope(None)
+    try:
+        scope = cache_scope(native_schema.cache_salt(body))
+    except native_schema.NativeError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
     started = time.monotonic()
     if action == "erase":
         op = await _engine_op(engine, SlotOp("erase", seq_id, scope))
