@@ -690,20 +690,37 @@ def test_slot_actions_take_the_cache_salt(configured: ServerProcess) -> None:
         assert "cache_salt" in error["message"]
 
 
+def own_folder(slot_folder: pathlib.Path, filename: str) -> pathlib.Path:
+    """The folder of the (one) client that saved ``filename``."""
+    (path,) = slot_folder.glob(f"*/{filename}")
+    return path.parent
+
+
 def test_slot_files_are_checked(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
     post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
     assert post(configured, "/slots/0?action=save", {"filename": "good.bin"}).status_code == 200
-    good = (slot_folder / "good.bin").read_bytes()
-    (slot_folder / "bad.bin").write_bytes(b"not a slot" + good[10:])
+    own = own_folder(slot_folder, "good.bin")
+    good = (own / "good.bin").read_bytes()
+    (own / "bad.bin").write_bytes(b"not a slot" + good[10:])
     native_error(post(configured, "/slots/0?action=restore", {"filename": "bad.bin"}), 400)
-    (slot_folder / "cut.bin").write_bytes(good[:20])
+    (own / "cut.bin").write_bytes(good[:20])
     native_error(post(configured, "/slots/0?action=restore", {"filename": "cut.bin"}), 400)
-    (slot_folder / "other.bin").write_bytes(good.replace(b"fp_", b"fx_", 1))  # another model's
+    (own / "other.bin").write_bytes(good.replace(b"fp_", b"fx_", 1))  # another model's
     native_error(post(configured, "/slots/0?action=restore", {"filename": "other.bin"}), 400)
-    (slot_folder / "link.bin").symlink_to(slot_folder / "good.bin")
+    (own / "link.bin").symlink_to(own / "good.bin")
     native_error(post(configured, "/slots/0?action=restore", {"filename": "link.bin"}), 400)
+    # At the folder's top (where earlier versions saved), only a slot file of the caller's is
+    # anything: the rest is not there for it.
+    (slot_folder / "good.bin").write_bytes(good)
+    (slot_folder / "top-bad.bin").write_bytes(b"not a slot" + good[10:])
+    (slot_folder / "top-link.bin").symlink_to(own / "good.bin")
+    (slot_folder / "top-dir.bin").mkdir()
+    for name in ("top-bad.bin", "top-link.bin", "top-dir.bin"):
+        native_error(post(configured, "/slots/0?action=restore", {"filename": name}), 404, "not_found_error")
     assert post(configured, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200
-    assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
+    (own / "good.bin").unlink()
+    assert post(configured, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200  # the top's
+    assert not [p for p in slot_folder.rglob(".*")]  # no temporary file left
 
 
 @pytest.mark.parametrize("length", [238, 255])
@@ -720,16 +737,18 @@ def test_slot_file_names_of_any_accepted_length(configured: ServerProcess, lengt
 def test_slot_entries_that_are_not_files(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
     """Found by review: a directory was a 500, and a FIFO held its request (and a worker thread)
     for ever. Both are refused at once, and neither is replaced by a save."""
-    (slot_folder / "dir.bin").mkdir()
-    os.mkfifo(slot_folder / "fifo.bin")
     post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
+    assert post(configured, "/slots/0?action=save", {"filename": "first.bin"}).status_code == 200
+    own = own_folder(slot_folder, "first.bin")
+    (own / "dir.bin").mkdir()
+    os.mkfifo(own / "fifo.bin")
     for name in ("dir.bin", "fifo.bin"):
         error = native_error(post(configured, "/slots/0?action=restore", {"filename": name}, timeout=60), 400)
         assert "regular file" in error["message"]
         error = native_error(post(configured, "/slots/0?action=save", {"filename": name}, timeout=60), 409)
         assert "regular file" in error["message"]
-    assert (slot_folder / "dir.bin").is_dir() and stat.S_ISFIFO((slot_folder / "fifo.bin").lstat().st_mode)
-    assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
+    assert (own / "dir.bin").is_dir() and stat.S_ISFIFO((own / "fifo.bin").lstat().st_mode)
+    assert not [p for p in slot_folder.rglob(".*")]  # no temporary file left
 
 
 def test_busy_slot_is_a_409(configured: ServerProcess) -> None:
@@ -754,9 +773,8 @@ def test_slots_stay_within_a_tenant(tmp_path: pathlib.Path) -> None:
         native_error(as_("bob", "/slots/0?action=save", {"filename": "x.bin"}), 409)
         native_error(as_("bob", "/slots/0?action=erase", {}), 409)
         assert as_("alice", "/slots/0?action=save", {"filename": "alice.bin"}).status_code == 200
-        # Nor restore, nor overwrite, Alice's file.
+        # Nor restore Alice's file (file names are each tenant's own: test_slot_file_names_are_each_tenants_own).
         native_error(as_("bob", "/slots/0?action=restore", {"filename": "alice.bin"}), 404, "not_found_error")
-        native_error(as_("bob", "/slots/0?action=save", {"filename": "alice.bin"}), 409)
         assert as_("alice", "/slots/0?action=restore", {"filename": "alice.bin"}).status_code == 200
         anonymous = httpx.post(server.url + "/slots/0?action=erase", json={})
         native_error(anonymous, 401, "authentication_error")  # before the route, in its shape too
@@ -794,6 +812,43 @@ def test_a_restore_over_another_tenants_cache_is_refused(tmp_path: pathlib.Path)
         assert as_tenant(server, "bob", "/slots/0?action=restore", {"filename": "bob.bin"}).status_code == 200
         assert as_tenant(server, "alice", "/slots/1?action=erase", {}).status_code == 200
         assert as_tenant(server, "bob", "/slots/1?action=restore", {"filename": "bob.bin"}).status_code == 200
+
+
+def test_slot_file_names_are_each_tenants_own(tmp_path: pathlib.Path) -> None:
+    """Found by review: Bob's restore of Alice's file was a 404, but his save to its name a 409
+    ("belongs to another client"), which told him the file was there. Each tenant's names are
+    its own now: his save is a fresh file of his, hers stays as it was."""
+    with serving(["--parallel", "1", "--ctx-size", "1024", *TENANTS, "--slot-save-path", str(tmp_path)]) as server:
+        as_tenant(server, "alice", "/completion", {"prompt": "Alice's secret plan is to", "n_predict": 1})
+        mine = as_tenant(server, "alice", "/slots/0?action=save", {"filename": "a1"}).json()
+        as_tenant(server, "alice", "/slots/0?action=erase", {})
+        bob = {"prompt": "Bob's plan, which is longer than hers, is to", "n_predict": 1}
+        as_tenant(server, "bob", "/completion", bob)
+        fresh = as_tenant(server, "bob", "/slots/0?action=save", {"filename": "b1"})
+        theirs = as_tenant(server, "bob", "/slots/0?action=save", {"filename": "a1"})
+        assert theirs.status_code == fresh.status_code == 200, theirs.text
+        assert set(theirs.json()) == set(fresh.json()) and theirs.json()["n_saved"] != mine["n_saved"]
+        restored = as_tenant(server, "bob", "/slots/0?action=restore", {"filename": "a1"}).json()
+        assert restored["n_restored"] == theirs.json()["n_saved"]  # his own
+        as_tenant(server, "bob", "/slots/0?action=erase", {})
+        restored = as_tenant(server, "alice", "/slots/0?action=restore", {"filename": "a1"}).json()
+        assert restored["n_restored"] == mine["n_saved"]  # hers, untouched
+        # On disk: each tenant's files in a folder of its own.
+        files = sorted(tmp_path.rglob("a1"))
+        assert len(files) == 2 and files[0].parent != files[1].parent
+        assert all(f.parent.parent == tmp_path for f in files)
+        # A file an earlier version saved at the folder's top is still its owner's, and only hers.
+        (hers,) = [f for f in files if not (f.parent / "b1").exists()]
+        (tmp_path / "old.bin").write_bytes(hers.read_bytes())
+        restored = as_tenant(server, "alice", "/slots/0?action=restore", {"filename": "old.bin"}).json()
+        assert restored["n_restored"] == mine["n_saved"]
+        native_error(
+            as_tenant(server, "bob", "/slots/0?action=restore", {"filename": "old.bin"}), 404, "not_found_error"
+        )
+        as_tenant(server, "alice", "/slots/0?action=erase", {})
+        as_tenant(server, "bob", "/completion", bob)
+        assert as_tenant(server, "bob", "/slots/0?action=save", {"filename": "old.bin"}).status_code == 200
+        assert (tmp_path / "old.bin").read_bytes() == hers.read_bytes()
 
 
 def test_native_routes_name_their_model(tmp_path: pathlib.Path, model_path: pathlib.Path) -> None:

@@ -231,50 +231,90 @@ def test_extra_chunks_are_checked() -> None:
 
 
 def test_slot_file_round_trip(tmp_path) -> None:
-    path = str(tmp_path / "s.bin")
-    written = slot_file.write(path, "fp_1", "a:", [5, 70000, 0], b"\x01\x02state")
-    tokens, state, size = slot_file.read(path, "fp_1", "a:")
+    folder = str(tmp_path)
+    written = slot_file.write(folder, "s.bin", "fp_1", "a:", [5, 70000, 0], b"\x01\x02state")
+    tokens, state, size = slot_file.read(folder, "s.bin", "fp_1", "a:")
     assert (tokens, state, size) == ([5, 70000, 0], b"\x01\x02state", written)
     with pytest.raises(slot_file.SlotFileError, match="another model"):
-        slot_file.read(path, "fp_2", "a:")
-    with pytest.raises(slot_file.NotOwner):  # another tenant: neither read nor replaced
-        slot_file.read(path, "fp_1", "b:")
-    with pytest.raises(slot_file.NotOwner):
-        slot_file.write(path, "fp_1", "b:", [1], b"x")
-    assert b"a:" not in (tmp_path / "s.bin").read_bytes()  # the owner only as a digest
-    raw = (tmp_path / "s.bin").read_bytes()
+        slot_file.read(folder, "s.bin", "fp_2", "a:")
+    own = tmp_path / slot_file.folder_name("a:")
+    assert [p.name for p in tmp_path.iterdir()] == [own.name] and [p.name for p in own.iterdir()] == ["s.bin"]
+    assert b"a:" not in (own / "s.bin").read_bytes() and "a:" not in own.name  # the owner only as a digest
+    raw = (own / "s.bin").read_bytes()
     for bad in (b"", b"LLTRSLOT", raw[:-12], b"X" + raw[1:]):
         with pytest.raises(slot_file.SlotFileError):
             slot_file.decode(bad, "fp_1", "a:")
-    assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
+    # Another scope: none of that name (its own names are its own), and its save is its own file.
+    with pytest.raises(FileNotFoundError):
+        slot_file.read(folder, "s.bin", "fp_1", "b:")
+    slot_file.write(folder, "s.bin", "fp_1", "b:", [1], b"x")
+    assert slot_file.read(folder, "s.bin", "fp_1", "b:")[:2] == ([1], b"x")
+    assert slot_file.read(folder, "s.bin", "fp_1", "a:")[:2] == ([5, 70000, 0], b"\x01\x02state")
+    # A file of another owner put in a scope's folder is neither read nor replaced.
+    (own / "theirs.bin").write_bytes((tmp_path / slot_file.folder_name("b:") / "s.bin").read_bytes())
+    with pytest.raises(slot_file.NotOwner):
+        slot_file.read(folder, "theirs.bin", "fp_1", "a:")
+    with pytest.raises(slot_file.NotOwner):
+        slot_file.write(folder, "theirs.bin", "fp_1", "a:", [1], b"x")
+
+
+def test_slot_files_at_the_folders_top_are_their_owners(tmp_path) -> None:
+    """A file saved before the scopes' folders (at the top): restored for its owner only, and
+    nothing there (another's, not a slot, not a regular file) tells anyone else it exists."""
+    slot_file.write(str(tmp_path), "s.bin", "fp_1", "a:", [5, 6], b"state")
+    (tmp_path / "old.bin").write_bytes((tmp_path / slot_file.folder_name("a:") / "s.bin").read_bytes())
+    (tmp_path / "junk.bin").write_bytes(b"not a slot file")
+    (tmp_path / "dir.bin").mkdir()
+    os.mkfifo(tmp_path / "fifo.bin")
+    assert slot_file.read(str(tmp_path), "old.bin", "fp_1", "a:") == (
+        [5, 6],
+        b"state",
+        (tmp_path / "old.bin").stat().st_size,
+    )
+    for name in ("old.bin", "junk.bin", "dir.bin", "fifo.bin", "missing.bin"):
+        for scope in ("b:", "a:") if name != "old.bin" else ("b:",):
+            with pytest.raises(FileNotFoundError):
+                slot_file.read(str(tmp_path), name, "fp_1", scope)
+    # A save goes to the scope's folder: the top's file stays as it was.
+    before = (tmp_path / "old.bin").read_bytes()
+    slot_file.write(str(tmp_path), "old.bin", "fp_1", "b:", [1], b"x")
+    assert (tmp_path / "old.bin").read_bytes() == before
 
 
 @pytest.mark.parametrize("length", [237, 238, 255])
 def test_slot_file_names_of_any_accepted_length(tmp_path, length: int) -> None:
     """Found by review: the temporary name added 18 characters to the target's, past NAME_MAX."""
-    path = str(tmp_path / ("n" * length))
-    written = slot_file.write(path, "fp_1", "a:", [1, 2], b"state")
-    assert slot_file.read(path, "fp_1", "a:")[2] == written
-    assert [p.name for p in tmp_path.iterdir()] == ["n" * length]
+    written = slot_file.write(str(tmp_path), "n" * length, "fp_1", "a:", [1, 2], b"state")
+    assert slot_file.read(str(tmp_path), "n" * length, "fp_1", "a:")[2] == written
+    assert [p.name for p in (tmp_path / slot_file.folder_name("a:")).iterdir()] == ["n" * length]
 
 
 def test_slot_file_refuses_what_is_not_a_regular_file(tmp_path) -> None:
     """Found by review: a directory was a 500, and opening a FIFO blocked its thread for ever."""
-    (tmp_path / "dir.bin").mkdir()
-    os.mkfifo(tmp_path / "fifo.bin")
+    own = tmp_path / slot_file.folder_name("a:")
+    own.mkdir()
+    (own / "dir.bin").mkdir()
+    os.mkfifo(own / "fifo.bin")
     for name in ("dir.bin", "fifo.bin"):
-        path = str(tmp_path / name)
         with pytest.raises(slot_file.SlotFileError, match="not a regular file"):
-            slot_file.read(path, "fp_1", "a:")
+            slot_file.read(str(tmp_path), name, "fp_1", "a:")
         with pytest.raises(slot_file.SlotFileError, match="not a regular file"):
-            slot_file.write(path, "fp_1", "a:", [1], b"x")
-    assert (tmp_path / "dir.bin").is_dir() and stat.S_ISFIFO((tmp_path / "fifo.bin").lstat().st_mode)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.bin", "fifo.bin"]  # no temporary file left
+            slot_file.write(str(tmp_path), name, "fp_1", "a:", [1], b"x")
+    assert (own / "dir.bin").is_dir() and stat.S_ISFIFO((own / "fifo.bin").lstat().st_mode)
+    assert sorted(p.name for p in own.iterdir()) == ["dir.bin", "fifo.bin"]  # no temporary file left
 
 
 def test_slot_file_storage_failure_is_its_own_error(tmp_path) -> None:
     with pytest.raises(slot_file.StorageError, match="cannot be written"):
-        slot_file.write(str(tmp_path / "gone" / "s.bin"), "fp_1", "a:", [1], b"x")
+        slot_file.write(str(tmp_path / "gone"), "s.bin", "fp_1", "a:", [1], b"x")
+    # A link (or a file) where a scope's folder should be is not followed.
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / slot_file.folder_name("a:")).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(slot_file.StorageError, match="cannot be used"):
+        slot_file.write(str(tmp_path), "s.bin", "fp_1", "a:", [1], b"x")
+    with pytest.raises(slot_file.StorageError, match="cannot be used"):
+        slot_file.read(str(tmp_path), "s.bin", "fp_1", "a:")
+    assert not list((tmp_path / "elsewhere").iterdir())
 
 
 def test_slot_op_refusals() -> None:

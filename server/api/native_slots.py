@@ -5,16 +5,16 @@ The list gives counts only, never a sequence's tokens or text: with API keys, se
 other tenants' prompts. For the same reason a caller saves, erases or restores into only a
 sequence that holds its own scope's cache (or nothing), and what it restores is its own from
 then on: its scope is its tenant's and the body's ``cache_salt``, as for its completions. Save and
-restore keep files in the ``--slot-save-path`` folder only: a file name that is not a plain name
-in that folder (a path, ``..``, a hidden file) is refused, links are not followed, and an entry
-that is not a regular file (a directory, a FIFO) is neither read nor replaced (``slot_file``).
+restore keep files in the ``--slot-save-path`` folder only, each scope's in a subfolder of its
+own (so one tenant's file names are not another's): a file name that is not a plain name (a
+path, ``..``, a hidden file) is refused, links are not followed, and an entry that is not a
+regular file (a directory, a FIFO) is neither read nor replaced (``slot_file``).
 A busy sequence is a 409: the operation waits for no job; a failing folder (full, not
 writable) a 503.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from typing import Any
@@ -95,11 +95,12 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
     if not isinstance(filename, str) or not FILENAME.fullmatch(filename):
         message = "filename must be a plain file name (letters, digits, '.', '-', '_'; no path)"
         raise ApiError(400, message, param="filename", code="invalid_value")
-    path = os.path.join(folder, filename)
     if action == "save":
         op = await _engine_op(engine, SlotOp("save", seq_id, scope))
         try:
-            written = await trio.to_thread.run_sync(slot_file.write, path, info.fingerprint, scope, op.tokens, op.data)
+            written = await trio.to_thread.run_sync(
+                slot_file.write, folder, filename, info.fingerprint, scope, op.tokens, op.data
+            )
         except slot_file.SlotFileError as exc:
             raise ApiError(409, f"{filename}: {exc}", param="filename", code="conflict") from None
         except slot_file.StorageError as exc:
@@ -108,7 +109,7 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
         payload = {"id_slot": seq_id, "filename": filename, "n_saved": len(op.tokens), "n_written": written}
         return json_response({**payload, "timings": {"save_ms": ms}})
     try:
-        tokens, data, size = await trio.to_thread.run_sync(slot_file.read, path, info.fingerprint, scope)
+        tokens, data, size = await trio.to_thread.run_sync(slot_file.read, folder, filename, info.fingerprint, scope)
     except (FileNotFoundError, slot_file.NotOwner):  # another tenant's file is none of its business
         raise ApiError(404, f"no saved slot named {filename!r}", param="filename", code="not_found") from None
     except slot_file.SlotFileError as exc:
