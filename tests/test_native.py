@@ -9,6 +9,7 @@ import pathlib
 import re
 import stat
 import threading
+import time
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ import ffi
 from bench.random_model import SHAPES, write_model
 from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 from tests.support.waiting import wait_for
+from tests.test_hardening import health_latencies
 
 pytestmark = pytest.mark.server
 
@@ -286,16 +288,81 @@ def test_logit_bias_forms(server: ServerProcess) -> None:
         assert other != first, bias
 
 
+def health_while(server: ServerProcess, path: str, body: dict) -> tuple[httpx.Response, list[float]]:
+    """``body``'s answer, and how long each ``/health`` took while it was prepared."""
+    data = json.dumps(body).encode()
+    assert len(data) < 4 * 1024 * 1024  # under the body limit
+    latencies: list[float] = []
+    stop = threading.Event()
+    prober = threading.Thread(target=health_latencies, args=(server.url, stop, latencies))
+    prober.start()
+    try:
+        time.sleep(0.2)
+        headers = {"Content-Type": "application/json"}
+        response = httpx.post(server.url + path, content=data, headers=headers, timeout=120)
+    finally:
+        stop.set()
+        prober.join()
+    assert len(latencies) >= 5
+    return response, latencies
+
+
+@pytest.mark.parametrize("form", ["array", "object"])
+def test_logit_bias_text_is_tokenized_off_the_event_loop(server: ServerProcess, form: str) -> None:
+    """Found by review: 300 logit_bias texts of 13 KB (3.9 MB) were tokenized on the event
+    loop, /health waiting about 3 s: the estimate of the parse's work counted the prompt only."""
+    texts = [f"{i} " + "word " * 2600 for i in range(300)]
+    bias = [[text, 0.0] for text in texts] if form == "array" else dict.fromkeys(texts, 0.0)
+    body = {"prompt": "hi", "n_predict": 1, "logit_bias": bias}
+    response, latencies = health_while(server, "/completion", body)
+    assert response.status_code == 200, response.text
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+
+
 @pytest.mark.parametrize("samplers", [5, 0, -1, 1.5, True, [{"a": 1}], [[]]])
 def test_samplers_of_another_type_are_a_400(server: ServerProcess, samplers: object) -> None:
     error = native_error(post(server, "/completion", {"prompt": "hi", "n_predict": 1, "samplers": samplers}), 400)
     assert "samplers" in error["message"]
 
 
+@pytest.mark.parametrize(("temperature", "used"), [(5.0, 5.0), (1e30, 1e30), (1e300, 3.4028234663852886e38), (-1, 0)])
+def test_temperature_above_two_is_taken(server: ServerProcess, temperature: float, used: float) -> None:
+    """Found by review: a temperature above 2 was brought down to 2 without a word; llama-server
+    takes any from 0 up (a float: 1e300 is its largest). The answer says the one it sampled with."""
+    body = {"prompt": PROMPT, "n_predict": 4, "ignore_eos": True, "temperature": temperature, "top_k": 0}
+    for answer in (post(server, "/completion", body).json(), stream_objects(server, "/completion", body)[-1]):
+        assert answer["tokens_predicted"] == 4
+        assert answer["generation_settings"]["temperature"] == used
+
+
 def test_logit_bias_id_of_many_digits_is_outside_the_vocabulary(server: ServerProcess) -> None:
     """Found by review: int() of 5000 digits raised (a 500); it is skipped as any unknown id."""
-    body = {"prompt": "hi", "n_predict": 2, "logit_bias": [["9" * 5000, 1]]}
-    assert post(server, "/completion", body).status_code == 200
+    for bias in ({"9" * 5000: 1}, {" -" + "9" * 5000: 1}, [["9" * 5000, 1]]):
+        assert post(server, "/completion", {"prompt": "hi", "n_predict": 2, "logit_bias": bias}).status_code == 200
+
+
+def test_logit_bias_ids_and_texts_as_llama_server_reads_them(server: ServerProcess) -> None:
+    """Found by review: an array's digit string was read as a token id, and an object's key
+    " 15" as text; llama-server reads the first as text, the second (strtol) as id 15."""
+    (seven,) = tokenize(server, "7", parse_special=False)
+    digits = str(seven)  # another token's id: its text's tokens are not that token
+    digit_tokens = tokenize(server, digits, parse_special=False)
+    assert seven not in digit_tokens
+    body = {"prompt": PROMPT, "n_predict": 1, "temperature": 0, "return_tokens": True}
+
+    def pick(bias: object) -> int:
+        answer = post(server, "/completion", {**body, "logit_bias": bias})
+        assert answer.status_code == 200, answer.text
+        (token,) = answer.json()["tokens"]
+        return token
+
+    # An array's string is text, digits or not: its tokens get the bias (+100 wins the pick).
+    assert pick([[digits, 100]]) in digit_tokens
+    # An object's key is an id when strtol reads all of it as a number (white space and a sign
+    # first), and text otherwise.
+    for key in (digits, f" {digits}", f"+{digits}", f"\t\n 0{digits}"):
+        assert pick({key: 100}) == seven, key
+    assert pick({f"{digits} ": 100}) in tokenize(server, f"{digits} ", parse_special=False)
 
 
 def test_refused_and_neutral_fields(server: ServerProcess) -> None:
@@ -486,16 +553,21 @@ def test_infill_needs_fim_tokens(server: ServerProcess) -> None:
     assert "FIM" in error["message"]
 
 
-def test_infill_on_a_model_with_fim_tokens(tmp_path: pathlib.Path, model_path: pathlib.Path, model: ffi.Model) -> None:
-    """Found by review: /infill's own fields reached /completion's check of its fields, so on a
-    model with FIM tokens every request was a 400 ('input_prefix' is not supported)."""
+def write_fim_model(model: ffi.Model, model_path: pathlib.Path, target: pathlib.Path) -> None:
+    """A tiny model on the default model's vocabulary, with three of its tokens as FIM's
+    prefix, suffix and middle tokens (<filename>, <gh_stars>, <issue_start>)."""
     vocab = model.vocab
     pre, suf, mid = (
         vocab.tokenize(t, add_special=False, parse_special=True)[0]
         for t in ("<filename>", "<gh_stars>", "<issue_start>")
     )
-    fim = (pre, suf, mid)
-    write_model(model_path, tmp_path / "fim.gguf", SHAPES["tiny"], seed=4, fim=fim)
+    write_model(model_path, target, SHAPES["tiny"], seed=4, fim=(pre, suf, mid))
+
+
+def test_infill_on_a_model_with_fim_tokens(tmp_path: pathlib.Path, model_path: pathlib.Path, model: ffi.Model) -> None:
+    """Found by review: /infill's own fields reached /completion's check of its fields, so on a
+    model with FIM tokens every request was a 400 ('input_prefix' is not supported)."""
+    write_fim_model(model, model_path, tmp_path / "fim.gguf")
     body = {
         "input_prefix": "def f():\n",
         "input_suffix": "\n",
@@ -521,6 +593,25 @@ def test_infill_on_a_model_with_fim_tokens(tmp_path: pathlib.Path, model_path: p
         native_error(post(server, "/infill", {**body, "input_prefix": 5}), 400)
         native_error(post(server, "/infill", {**body, "mirostat": 2}), 400)  # still /completion's check
         assert server.metrics()["llama_trio_active_sequences"] == 0
+
+
+def test_infill_texts_are_tokenized_off_the_event_loop(
+    tmp_path: pathlib.Path, model_path: pathlib.Path, model: ffi.Model
+) -> None:
+    """Found by review: /infill's input_suffix and input_extra (3.9 MB of either) were tokenized
+    on the event loop, /health waiting seconds: the estimate counted the prefix and prompt only."""
+    write_fim_model(model, model_path, tmp_path / "fim.gguf")
+    body = {"input_prefix": "def f():\n", "prompt": "    return", "n_predict": 1}
+    big = [
+        {"input_suffix": "word " * 780_000},
+        {"input_suffix": "\n", "input_extra": [{"filename": "f.py", "text": "word " * 2600}] * 300},
+        {"input_suffix": "\n", "input_extra": [{"text": "w"}] * 20_000},  # many small files
+    ]
+    with serving(["--model", str(tmp_path / "fim.gguf"), "--parallel", "1", "--ctx-size", "2048"]) as server:
+        for fields in big:
+            response, latencies = health_while(server, "/infill", {**body, **fields})
+            assert response.status_code == 200, response.text
+            assert max(latencies) < 1.0, (list(fields), sorted(latencies)[-5:])
 
 
 def test_slot_actions_without_a_folder(server: ServerProcess) -> None:
@@ -571,6 +662,14 @@ def test_slot_actions_are_checked(configured: ServerProcess) -> None:
     native_error(post(configured, "/slots/0?action=restore", {"filename": "missing.bin"}), 404, "not_found_error")
 
 
+@pytest.mark.parametrize("id_slot", ["9" * 5000, "0" * 5000 + "1", "1" + "0" * 20, "-1", "x"])
+def test_slot_ids_of_any_length_are_checked(configured: ServerProcess, id_slot: str) -> None:
+    """Found by review: an id of more than 4300 digits was a 500 (int() refuses it)."""
+    for action in ("erase", "save"):
+        error = native_error(post(configured, f"/slots/{id_slot}?action={action}", {"filename": "a.bin"}), 400)
+        assert error["message"].startswith("invalid slot id")
+
+
 def test_slot_save_erase_restore(configured: ServerProcess) -> None:
     prompt = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
     body = {"prompt": prompt, "n_predict": 2, "ignore_eos": True}
@@ -589,20 +688,59 @@ def test_slot_save_erase_restore(configured: ServerProcess) -> None:
     assert again["timings"]["cache_n"] >= n_prompt - 1
 
 
+def test_slot_actions_take_the_cache_salt(configured: ServerProcess) -> None:
+    """Found by review: a sequence filled with a cache_salt could not be saved or erased by its
+    owner even with the same salt: the slot actions always took the scope without one."""
+    post(configured, "/completion", {"prompt": "Hello there, salted", "n_predict": 1, "cache_salt": "s1"})
+    salted = {"filename": "salted.bin", "cache_salt": "s1"}
+    error = native_error(post(configured, "/slots/0?action=save", {"filename": "salted.bin"}), 409)
+    assert "another client's cache" in error["message"]  # the unsalted scope is another's
+    native_error(post(configured, "/slots/0?action=save", {**salted, "cache_salt": "s2"}), 409)
+    saved = post(configured, "/slots/0?action=save", salted)
+    assert saved.status_code == 200, saved.text
+    native_error(post(configured, "/slots/0?action=erase", {}), 409)
+    assert post(configured, "/slots/0?action=erase", {"cache_salt": "s1"}).json()["n_erased"] > 0
+    # The file is the salted scope's: restored with that salt only.
+    native_error(post(configured, "/slots/0?action=restore", {"filename": "salted.bin"}), 404, "not_found_error")
+    restored = post(configured, "/slots/0?action=restore", salted)
+    assert restored.status_code == 200 and restored.json()["n_restored"] == saved.json()["n_saved"]
+    assert post(configured, "/slots/0?action=erase", {"cache_salt": "s1"}).status_code == 200
+    for bad in ("", 5, "x" * 257):
+        error = native_error(post(configured, "/slots/0?action=erase", {"cache_salt": bad}), 400)
+        assert "cache_salt" in error["message"]
+
+
+def own_folder(slot_folder: pathlib.Path, filename: str) -> pathlib.Path:
+    """The folder of the (one) client that saved ``filename``."""
+    (path,) = slot_folder.glob(f"*/{filename}")
+    return path.parent
+
+
 def test_slot_files_are_checked(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
     post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
     assert post(configured, "/slots/0?action=save", {"filename": "good.bin"}).status_code == 200
-    good = (slot_folder / "good.bin").read_bytes()
-    (slot_folder / "bad.bin").write_bytes(b"not a slot" + good[10:])
+    own = own_folder(slot_folder, "good.bin")
+    good = (own / "good.bin").read_bytes()
+    (own / "bad.bin").write_bytes(b"not a slot" + good[10:])
     native_error(post(configured, "/slots/0?action=restore", {"filename": "bad.bin"}), 400)
-    (slot_folder / "cut.bin").write_bytes(good[:20])
+    (own / "cut.bin").write_bytes(good[:20])
     native_error(post(configured, "/slots/0?action=restore", {"filename": "cut.bin"}), 400)
-    (slot_folder / "other.bin").write_bytes(good.replace(b"fp_", b"fx_", 1))  # another model's
+    (own / "other.bin").write_bytes(good.replace(b"fp_", b"fx_", 1))  # another model's
     native_error(post(configured, "/slots/0?action=restore", {"filename": "other.bin"}), 400)
-    (slot_folder / "link.bin").symlink_to(slot_folder / "good.bin")
+    (own / "link.bin").symlink_to(own / "good.bin")
     native_error(post(configured, "/slots/0?action=restore", {"filename": "link.bin"}), 400)
+    # At the folder's top (where earlier versions saved), only a slot file of the caller's is
+    # anything: the rest is not there for it.
+    (slot_folder / "good.bin").write_bytes(good)
+    (slot_folder / "top-bad.bin").write_bytes(b"not a slot" + good[10:])
+    (slot_folder / "top-link.bin").symlink_to(own / "good.bin")
+    (slot_folder / "top-dir.bin").mkdir()
+    for name in ("top-bad.bin", "top-link.bin", "top-dir.bin"):
+        native_error(post(configured, "/slots/0?action=restore", {"filename": name}), 404, "not_found_error")
     assert post(configured, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200
-    assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
+    (own / "good.bin").unlink()
+    assert post(configured, "/slots/0?action=restore", {"filename": "good.bin"}).status_code == 200  # the top's
+    assert not [p for p in slot_folder.rglob(".*")]  # no temporary file left
 
 
 @pytest.mark.parametrize("length", [238, 255])
@@ -619,16 +757,18 @@ def test_slot_file_names_of_any_accepted_length(configured: ServerProcess, lengt
 def test_slot_entries_that_are_not_files(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
     """Found by review: a directory was a 500, and a FIFO held its request (and a worker thread)
     for ever. Both are refused at once, and neither is replaced by a save."""
-    (slot_folder / "dir.bin").mkdir()
-    os.mkfifo(slot_folder / "fifo.bin")
     post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
+    assert post(configured, "/slots/0?action=save", {"filename": "first.bin"}).status_code == 200
+    own = own_folder(slot_folder, "first.bin")
+    (own / "dir.bin").mkdir()
+    os.mkfifo(own / "fifo.bin")
     for name in ("dir.bin", "fifo.bin"):
         error = native_error(post(configured, "/slots/0?action=restore", {"filename": name}, timeout=60), 400)
         assert "regular file" in error["message"]
         error = native_error(post(configured, "/slots/0?action=save", {"filename": name}, timeout=60), 409)
         assert "regular file" in error["message"]
-    assert (slot_folder / "dir.bin").is_dir() and stat.S_ISFIFO((slot_folder / "fifo.bin").lstat().st_mode)
-    assert not [p for p in slot_folder.iterdir() if p.name.startswith(".")]  # no temporary file left
+    assert (own / "dir.bin").is_dir() and stat.S_ISFIFO((own / "fifo.bin").lstat().st_mode)
+    assert not [p for p in slot_folder.rglob(".*")]  # no temporary file left
 
 
 def test_busy_slot_is_a_409(configured: ServerProcess) -> None:
@@ -653,12 +793,82 @@ def test_slots_stay_within_a_tenant(tmp_path: pathlib.Path) -> None:
         native_error(as_("bob", "/slots/0?action=save", {"filename": "x.bin"}), 409)
         native_error(as_("bob", "/slots/0?action=erase", {}), 409)
         assert as_("alice", "/slots/0?action=save", {"filename": "alice.bin"}).status_code == 200
-        # Nor restore, nor overwrite, Alice's file.
+        # Nor restore Alice's file (file names are each tenant's own: test_slot_file_names_are_each_tenants_own).
         native_error(as_("bob", "/slots/0?action=restore", {"filename": "alice.bin"}), 404, "not_found_error")
-        native_error(as_("bob", "/slots/0?action=save", {"filename": "alice.bin"}), 409)
         assert as_("alice", "/slots/0?action=restore", {"filename": "alice.bin"}).status_code == 200
         anonymous = httpx.post(server.url + "/slots/0?action=erase", json={})
         native_error(anonymous, 401, "authentication_error")  # before the route, in its shape too
+
+
+def as_tenant(server: ServerProcess, key: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def cached_in(server: ServerProcess, key: str, id_slot: int) -> int:
+    slots = httpx.get(server.url + "/slots", headers={"Authorization": f"Bearer {key}"}, timeout=60).json()
+    return int(slots[id_slot]["n_cached_tokens"])
+
+
+TENANTS = ["--threads", "2", "--api-key", "alice", "--api-key", "bob"]
+
+
+def test_a_restore_over_another_tenants_cache_is_refused(tmp_path: pathlib.Path) -> None:
+    """Found by review: Bob could not erase the sequence Alice's request left, but he could
+    restore a file of his own over it, which dropped her cells all the same."""
+    with serving(["--parallel", "2", "--ctx-size", "1024", *TENANTS, "--slot-save-path", str(tmp_path)]) as server:
+        alice = {"prompt": "Alice's secret plan is to", "n_predict": 1, "id_slot": 1}
+        assert as_tenant(server, "alice", "/completion", alice).status_code == 200
+        bob = {"prompt": "Bob's plan is to", "n_predict": 1, "id_slot": 0}
+        assert as_tenant(server, "bob", "/completion", bob).status_code == 200
+        assert as_tenant(server, "bob", "/slots/0?action=save", {"filename": "bob.bin"}).status_code == 200
+        held = cached_in(server, "alice", 1)
+        assert held > 0
+        for action, body in (("erase", {}), ("restore", {"filename": "bob.bin"})):
+            error = native_error(as_tenant(server, "bob", f"/slots/1?action={action}", body), 409)
+            assert "another client's cache" in error["message"], action
+        assert cached_in(server, "alice", 1) == held  # her cells are still there, and serve her
+        assert as_tenant(server, "alice", "/completion", alice).json()["timings"]["cache_n"] > 0
+        # Over his own cache, or an empty sequence, Bob restores.
+        assert as_tenant(server, "bob", "/slots/0?action=restore", {"filename": "bob.bin"}).status_code == 200
+        assert as_tenant(server, "alice", "/slots/1?action=erase", {}).status_code == 200
+        assert as_tenant(server, "bob", "/slots/1?action=restore", {"filename": "bob.bin"}).status_code == 200
+
+
+def test_slot_file_names_are_each_tenants_own(tmp_path: pathlib.Path) -> None:
+    """Found by review: Bob's restore of Alice's file was a 404, but his save to its name a 409
+    ("belongs to another client"), which told him the file was there. Each tenant's names are
+    its own now: his save is a fresh file of his, hers stays as it was."""
+    with serving(["--parallel", "1", "--ctx-size", "1024", *TENANTS, "--slot-save-path", str(tmp_path)]) as server:
+        as_tenant(server, "alice", "/completion", {"prompt": "Alice's secret plan is to", "n_predict": 1})
+        mine = as_tenant(server, "alice", "/slots/0?action=save", {"filename": "a1"}).json()
+        as_tenant(server, "alice", "/slots/0?action=erase", {})
+        bob = {"prompt": "Bob's plan, which is longer than hers, is to", "n_predict": 1}
+        as_tenant(server, "bob", "/completion", bob)
+        fresh = as_tenant(server, "bob", "/slots/0?action=save", {"filename": "b1"})
+        theirs = as_tenant(server, "bob", "/slots/0?action=save", {"filename": "a1"})
+        assert theirs.status_code == fresh.status_code == 200, theirs.text
+        assert set(theirs.json()) == set(fresh.json()) and theirs.json()["n_saved"] != mine["n_saved"]
+        restored = as_tenant(server, "bob", "/slots/0?action=restore", {"filename": "a1"}).json()
+        assert restored["n_restored"] == theirs.json()["n_saved"]  # his own
+        as_tenant(server, "bob", "/slots/0?action=erase", {})
+        restored = as_tenant(server, "alice", "/slots/0?action=restore", {"filename": "a1"}).json()
+        assert restored["n_restored"] == mine["n_saved"]  # hers, untouched
+        # On disk: each tenant's files in a folder of its own.
+        files = sorted(tmp_path.rglob("a1"))
+        assert len(files) == 2 and files[0].parent != files[1].parent
+        assert all(f.parent.parent == tmp_path for f in files)
+        # A file an earlier version saved at the folder's top is still its owner's, and only hers.
+        (hers,) = [f for f in files if not (f.parent / "b1").exists()]
+        (tmp_path / "old.bin").write_bytes(hers.read_bytes())
+        restored = as_tenant(server, "alice", "/slots/0?action=restore", {"filename": "old.bin"}).json()
+        assert restored["n_restored"] == mine["n_saved"]
+        native_error(
+            as_tenant(server, "bob", "/slots/0?action=restore", {"filename": "old.bin"}), 404, "not_found_error"
+        )
+        as_tenant(server, "alice", "/slots/0?action=erase", {})
+        as_tenant(server, "bob", "/completion", bob)
+        assert as_tenant(server, "bob", "/slots/0?action=save", {"filename": "old.bin"}).status_code == 200
+        assert (tmp_path / "old.bin").read_bytes() == hers.read_bytes()
 
 
 def test_native_routes_name_their_model(tmp_path: pathlib.Path, model_path: pathlib.Path) -> None:

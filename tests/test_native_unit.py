@@ -41,7 +41,10 @@ def test_defaults_are_llama_servers() -> None:
 def test_aliases_clamps_and_limits() -> None:
     req, options = parse(max_tokens=7, logprobs=3, n_cmpl=2, temperature=5.0, top_p=1.5)
     assert req.max_tokens == 7 and req.logprobs == 3 and options.n_probs == 3 and req.n == 2
-    assert req.temperature == 2.0 and req.top_p == 1.0  # brought into range, as there
+    assert req.temperature == 5.0 and req.top_p == 1.0  # brought into range, as there ([0, inf) for temperature)
+    assert (
+        parse(temperature=-1)[0].temperature == 0.0 and parse(temperature=1e300)[0].temperature == native_schema.FLT_MAX
+    )
     with pytest.raises(native_schema.NativeError):
         parse(n_predict=0)
     with pytest.raises(native_schema.NativeError):
@@ -108,12 +111,54 @@ def test_json_schema_and_grammar_are_one_or_the_other() -> None:
 
 def test_logit_bias_forms() -> None:
     vocab = FakeVocab()
-    assert native_schema.logit_bias([[65, 1.5], ["7", -2]], vocab) == {"65": 1.5, "7": -2.0}
+    assert native_schema.logit_bias([[65, 1.5], ["7", -2]], vocab) == {"65": 1.5, "55": -2.0}  # "7": text
     assert native_schema.logit_bias({"66": False}, vocab) == {"66": -math.inf}
     assert native_schema.logit_bias([["ab", -100]], vocab) == {"97": -100.0, "98": -100.0}
+    assert native_schema.logit_bias({"ab": -100}, vocab) == {"97": -100.0, "98": -100.0}
     assert native_schema.logit_bias([[5000, 1]], vocab) is None  # outside the vocabulary: skipped
-    assert native_schema.logit_bias([["9" * 5000, 1]], vocab) is None  # more digits than int() takes: skipped too
-    assert native_schema.logit_bias([["0" * 5000 + "7", 1]], vocab) == {"7": 1.0}
+    assert native_schema.logit_bias({"9" * 5000: 1}, vocab) is None  # more digits than int() takes: skipped too
+    assert native_schema.logit_bias({"0" * 5000 + "7": 1}, vocab) == {"7": 1.0}
+    assert native_schema.logit_bias([["0" * 5000 + "7", 1]], vocab) == {"48": 1.0, "55": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("key", "named"),
+    [
+        # What strtol(key, &end, 10) reads whole (*end == 0), as llama-server decides.
+        ("15", 15),
+        (" 15", 15),
+        ("\t\n\v\f\r 15", 15),
+        ("+15", 15),
+        ("-15", -15),
+        ("-0", 0),
+        ("007", 7),
+        ("", 0),  # strtol reads nothing and stops at the end
+        ("15\0junk", 15),  # C reads the key up to its NUL
+        ("\0junk", 0),
+        ("9" * 5000, -1),  # overflow: skipped
+        # Text.
+        ("15 ", None),
+        ("15x", None),
+        ("0x1f", None),
+        (" ", None),
+        ("+", None),
+        ("- 5", None),
+        ("+-5", None),
+        ("1.5", None),
+        ("1e3", None),
+        ("\u00a015", None),  # not C white space
+        ("\u0661", None),  # not an ASCII digit
+        ("abc", None),
+    ],
+)
+def test_logit_bias_object_keys_read_as_strtol(key: str, named: int | None) -> None:
+    assert native_schema.key_id(key) == named
+    vocab = FakeVocab()
+    bias = native_schema.logit_bias({key: 1.0}, vocab)
+    if named is None:
+        assert bias == ({str(ord(c)): 1.0 for c in key if ord(c) < vocab.n_tokens} or None)
+    else:
+        assert bias == ({str(named): 1.0} if 0 <= named < vocab.n_tokens else None)
     assert native_schema.logit_bias(None, vocab, ignore_eos=True) == {"0": -math.inf, "1": -math.inf}
     for bad in ([[1]], [[1, "x"]], "x", [[None, 1]], [[1, math.nan]]):
         with pytest.raises(native_schema.NativeError):
@@ -186,50 +231,90 @@ def test_extra_chunks_are_checked() -> None:
 
 
 def test_slot_file_round_trip(tmp_path) -> None:
-    path = str(tmp_path / "s.bin")
-    written = slot_file.write(path, "fp_1", "a:", [5, 70000, 0], b"\x01\x02state")
-    tokens, state, size = slot_file.read(path, "fp_1", "a:")
+    folder = str(tmp_path)
+    written = slot_file.write(folder, "s.bin", "fp_1", "a:", [5, 70000, 0], b"\x01\x02state")
+    tokens, state, size = slot_file.read(folder, "s.bin", "fp_1", "a:")
     assert (tokens, state, size) == ([5, 70000, 0], b"\x01\x02state", written)
     with pytest.raises(slot_file.SlotFileError, match="another model"):
-        slot_file.read(path, "fp_2", "a:")
-    with pytest.raises(slot_file.NotOwner):  # another tenant: neither read nor replaced
-        slot_file.read(path, "fp_1", "b:")
-    with pytest.raises(slot_file.NotOwner):
-        slot_file.write(path, "fp_1", "b:", [1], b"x")
-    assert b"a:" not in (tmp_path / "s.bin").read_bytes()  # the owner only as a digest
-    raw = (tmp_path / "s.bin").read_bytes()
+        slot_file.read(folder, "s.bin", "fp_2", "a:")
+    own = tmp_path / slot_file.folder_name("a:")
+    assert [p.name for p in tmp_path.iterdir()] == [own.name] and [p.name for p in own.iterdir()] == ["s.bin"]
+    assert b"a:" not in (own / "s.bin").read_bytes() and "a:" not in own.name  # the owner only as a digest
+    raw = (own / "s.bin").read_bytes()
     for bad in (b"", b"LLTRSLOT", raw[:-12], b"X" + raw[1:]):
         with pytest.raises(slot_file.SlotFileError):
             slot_file.decode(bad, "fp_1", "a:")
-    assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
+    # Another scope: none of that name (its own names are its own), and its save is its own file.
+    with pytest.raises(FileNotFoundError):
+        slot_file.read(folder, "s.bin", "fp_1", "b:")
+    slot_file.write(folder, "s.bin", "fp_1", "b:", [1], b"x")
+    assert slot_file.read(folder, "s.bin", "fp_1", "b:")[:2] == ([1], b"x")
+    assert slot_file.read(folder, "s.bin", "fp_1", "a:")[:2] == ([5, 70000, 0], b"\x01\x02state")
+    # A file of another owner put in a scope's folder is neither read nor replaced.
+    (own / "theirs.bin").write_bytes((tmp_path / slot_file.folder_name("b:") / "s.bin").read_bytes())
+    with pytest.raises(slot_file.NotOwner):
+        slot_file.read(folder, "theirs.bin", "fp_1", "a:")
+    with pytest.raises(slot_file.NotOwner):
+        slot_file.write(folder, "theirs.bin", "fp_1", "a:", [1], b"x")
+
+
+def test_slot_files_at_the_folders_top_are_their_owners(tmp_path) -> None:
+    """A file saved before the scopes' folders (at the top): restored for its owner only, and
+    nothing there (another's, not a slot, not a regular file) tells anyone else it exists."""
+    slot_file.write(str(tmp_path), "s.bin", "fp_1", "a:", [5, 6], b"state")
+    (tmp_path / "old.bin").write_bytes((tmp_path / slot_file.folder_name("a:") / "s.bin").read_bytes())
+    (tmp_path / "junk.bin").write_bytes(b"not a slot file")
+    (tmp_path / "dir.bin").mkdir()
+    os.mkfifo(tmp_path / "fifo.bin")
+    assert slot_file.read(str(tmp_path), "old.bin", "fp_1", "a:") == (
+        [5, 6],
+        b"state",
+        (tmp_path / "old.bin").stat().st_size,
+    )
+    for name in ("old.bin", "junk.bin", "dir.bin", "fifo.bin", "missing.bin"):
+        for scope in ("b:", "a:") if name != "old.bin" else ("b:",):
+            with pytest.raises(FileNotFoundError):
+                slot_file.read(str(tmp_path), name, "fp_1", scope)
+    # A save goes to the scope's folder: the top's file stays as it was.
+    before = (tmp_path / "old.bin").read_bytes()
+    slot_file.write(str(tmp_path), "old.bin", "fp_1", "b:", [1], b"x")
+    assert (tmp_path / "old.bin").read_bytes() == before
 
 
 @pytest.mark.parametrize("length", [237, 238, 255])
 def test_slot_file_names_of_any_accepted_length(tmp_path, length: int) -> None:
     """Found by review: the temporary name added 18 characters to the target's, past NAME_MAX."""
-    path = str(tmp_path / ("n" * length))
-    written = slot_file.write(path, "fp_1", "a:", [1, 2], b"state")
-    assert slot_file.read(path, "fp_1", "a:")[2] == written
-    assert [p.name for p in tmp_path.iterdir()] == ["n" * length]
+    written = slot_file.write(str(tmp_path), "n" * length, "fp_1", "a:", [1, 2], b"state")
+    assert slot_file.read(str(tmp_path), "n" * length, "fp_1", "a:")[2] == written
+    assert [p.name for p in (tmp_path / slot_file.folder_name("a:")).iterdir()] == ["n" * length]
 
 
 def test_slot_file_refuses_what_is_not_a_regular_file(tmp_path) -> None:
     """Found by review: a directory was a 500, and opening a FIFO blocked its thread for ever."""
-    (tmp_path / "dir.bin").mkdir()
-    os.mkfifo(tmp_path / "fifo.bin")
+    own = tmp_path / slot_file.folder_name("a:")
+    own.mkdir()
+    (own / "dir.bin").mkdir()
+    os.mkfifo(own / "fifo.bin")
     for name in ("dir.bin", "fifo.bin"):
-        path = str(tmp_path / name)
         with pytest.raises(slot_file.SlotFileError, match="not a regular file"):
-            slot_file.read(path, "fp_1", "a:")
+            slot_file.read(str(tmp_path), name, "fp_1", "a:")
         with pytest.raises(slot_file.SlotFileError, match="not a regular file"):
-            slot_file.write(path, "fp_1", "a:", [1], b"x")
-    assert (tmp_path / "dir.bin").is_dir() and stat.S_ISFIFO((tmp_path / "fifo.bin").lstat().st_mode)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.bin", "fifo.bin"]  # no temporary file left
+            slot_file.write(str(tmp_path), name, "fp_1", "a:", [1], b"x")
+    assert (own / "dir.bin").is_dir() and stat.S_ISFIFO((own / "fifo.bin").lstat().st_mode)
+    assert sorted(p.name for p in own.iterdir()) == ["dir.bin", "fifo.bin"]  # no temporary file left
 
 
 def test_slot_file_storage_failure_is_its_own_error(tmp_path) -> None:
     with pytest.raises(slot_file.StorageError, match="cannot be written"):
-        slot_file.write(str(tmp_path / "gone" / "s.bin"), "fp_1", "a:", [1], b"x")
+        slot_file.write(str(tmp_path / "gone"), "s.bin", "fp_1", "a:", [1], b"x")
+    # A link (or a file) where a scope's folder should be is not followed.
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / slot_file.folder_name("a:")).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(slot_file.StorageError, match="cannot be used"):
+        slot_file.write(str(tmp_path), "s.bin", "fp_1", "a:", [1], b"x")
+    with pytest.raises(slot_file.StorageError, match="cannot be used"):
+        slot_file.read(str(tmp_path), "s.bin", "fp_1", "a:")
+    assert not list((tmp_path / "elsewhere").iterdir())
 
 
 def test_slot_op_refusals() -> None:
@@ -241,7 +326,24 @@ def test_slot_op_refusals() -> None:
     slot.cached, slot.scope = [1, 2], "b:"
     assert isinstance(refusal(SlotOp("save", 0, "a:"), slot), SlotBusy)  # another tenant's cache
     assert isinstance(refusal(SlotOp("erase", 0, "a:"), slot), SlotBusy)
-    assert refusal(SlotOp("restore", 0, "a:"), slot) is None  # replaces it, reads nothing
+    assert isinstance(refusal(SlotOp("restore", 0, "a:"), slot), SlotBusy)  # would drop it
+    assert refusal(SlotOp("restore", 0, "b:"), slot) is None
     assert refusal(SlotOp("save", 0, "b:"), slot) is None
     slot.choice = object()  # type: ignore[assignment]
     assert isinstance(refusal(SlotOp("restore", 0, "b:"), slot), SlotBusy)
+
+
+def test_parse_work_counts_every_text_the_parse_tokenizes() -> None:
+    """Found by review: logit_bias texts, /infill's suffix and extra files were not counted, so
+    their tokenizing ran on the event loop."""
+    from server.api.native import parse_work
+    from server.api.preflight import INLINE_WORK_CHARS
+
+    text = "a" * INLINE_WORK_CHARS
+    assert parse_work({"prompt": "x", "logit_bias": [[1, 1.0]] * 300}, infill=False) <= INLINE_WORK_CHARS
+    for body in ({"logit_bias": [[text, 1.0]]}, {"logit_bias": {text: 1.0}}, {"logit_bias": [["a", 1]] * 40}):
+        assert parse_work({"prompt": "x", **body}, infill=False) > INLINE_WORK_CHARS, body
+    for body in ({"input_suffix": text}, {"input_extra": [{"text": text}]}, {"input_extra": [{"text": ""}] * 20}):
+        assert parse_work({"prompt": "x", "input_prefix": "", **body}, infill=True) > INLINE_WORK_CHARS, body
+    # Refused entries count for nothing (the parse stops there).
+    assert parse_work({"prompt": "x", "input_extra": [5, {"text": text}]}, infill=True) <= INLINE_WORK_CHARS

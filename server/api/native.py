@@ -10,6 +10,8 @@ llama-server's shape (``{"error": {"code", "message", "type"}}``).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response, request
@@ -25,7 +27,15 @@ from server.api.native_embed import native_embeddings
 from server.api.native_infill import INFILL_FIELDS, Fim, extra_chunks, infill_tokens
 from server.api.native_slots import slot_action, slots_list
 from server.api.native_stream import NativeStream, StreamContext
-from server.api.preflight import leased, model_name, off_loop, read_json, read_object, tokenizing
+from server.api.preflight import (
+    INLINE_WORK_CHARS,
+    leased,
+    model_name,
+    off_loop,
+    read_json,
+    read_object,
+    tokenizing,
+)
 from server.api.prepare import Prepared, chat_text, prepare_request, prompt_tokens
 from server.api.prompt import text_tokens
 from server.api.respond import current_state, json_response
@@ -146,17 +156,20 @@ async def _prepare(state: ServerState, *, infill: bool, started: float) -> tuple
     body = await read_object()
     async with leased(state, model_name(body.get("model"))) as lease:
         vocab, info = lease.engine.vocab, lease.info
-        work = len(str(body.get("prompt", ""))) + len(str(body.get("input_prefix", ""))) * infill
-        try:
-            with tokenizing("prompt"):
-                if infill:
-                    prompts = [await off_loop(work, lambda: _infill_prompt(lease, body))]
-                else:
-                    prompts = await off_loop(work, lambda: native_prompts(body.get("prompt"), vocab))
-            defaults = native_schema.Defaults(temperature=state.settings.temp, seed=state.settings.seed)
+        defaults = native_schema.Defaults(temperature=state.settings.temp, seed=state.settings.seed)
+
+        def parse() -> tuple[list[list[int]], schema.CompletionRequest, native_schema.NativeOptions]:
+            if infill:
+                prompts = [_infill_prompt(lease, body)]
+            else:
+                prompts = native_prompts(body.get("prompt"), vocab)
             # /infill's own fields are in its prompt now; the rest is read as /completion's.
             rest = {k: v for k, v in body.items() if k not in INFILL_FIELDS} if infill else body
-            req, options = native_schema.completion_request(rest, prompts, vocab, defaults)
+            return (prompts, *native_schema.completion_request(rest, prompts, vocab, defaults))
+
+        try:
+            with tokenizing("prompt"):
+                prompts, req, options = await off_loop(parse_work(body, infill=infill), parse)
         except native_schema.NativeError as exc:
             raise _bad(exc) from None
         # The one request path takes its own lease on the same model (this one ends here).
@@ -181,6 +194,47 @@ async def _prepare(state: ServerState, *, infill: bool, started: float) -> tuple
         ignore_eos=options.ignore_eos,
     )
     return prepared, StreamContext(info.id, settings, options, texts, started)
+
+
+# What one call of the tokenizer costs besides its text, in characters of text (about 50 us a
+# call here, some 80 characters' worth; ``preflight.INLINE_WORK_CHARS``).
+TOKENIZE_CALL_CHARS = 64
+
+
+def parse_work(body: dict[str, Any], *, infill: bool) -> int:
+    """How much text parsing ``body`` tokenizes, in characters (``off_loop``'s estimate): the
+    prompt, the texts of ``logit_bias`` and /infill's prefix, suffix and extra files (each text
+    a tokenizer call). The walk stops once past ``INLINE_WORK_CHARS`` (all ``off_loop`` asks),
+    so it stays short whatever the body holds."""
+    work = len(str(body.get("prompt", "")))
+    for text in _parsed_texts(body, infill=infill):
+        if work > INLINE_WORK_CHARS:
+            break
+        work += len(text) + TOKENIZE_CALL_CHARS
+    return work
+
+
+def _parsed_texts(body: dict[str, Any], *, infill: bool) -> Iterator[str]:
+    """The texts besides the prompt that parsing ``body`` tokenizes, one per tokenizer call, up
+    to the first entry the parse refuses."""
+    if infill:
+        for name in ("input_prefix", "input_suffix"):
+            value = body.get(name)
+            if isinstance(value, str):
+                yield value
+        extra = body.get("input_extra")
+        for chunk in extra if isinstance(extra, list) else ():
+            if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+                break  # refused there
+            filename = chunk.get("filename")
+            yield filename if isinstance(filename, str) else ""  # its name, or the separator
+            yield chunk["text"]
+    bias = body.get("logit_bias")
+    entries = bias.keys() if isinstance(bias, dict) else bias if isinstance(bias, list) else ()
+    for entry in itertools.islice(entries, schema.MAX_LOGIT_BIAS + 1):  # more: refused first
+        text = entry[0] if isinstance(entry, list) and entry else entry
+        if isinstance(text, str):
+            yield text
 
 
 def native_prompts(value: Any, vocab: native_schema.Tokenizer) -> list[list[int]]:

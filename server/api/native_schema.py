@@ -31,6 +31,7 @@ NATIVE_TOP_K = 40
 NATIVE_TOP_P = 0.95
 NATIVE_MIN_P = 0.05
 MAX_N_PROBS = 20
+FLT_MAX = 3.4028234663852886e38  # C's largest float
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "draw a random seed"
 # llama.cpp's default sampler order, which is ours (penalties, top-k, top-p, min-p, temperature;
 # the others off): as names, and as its one-letter form.
@@ -272,9 +273,7 @@ def completion_request(
     stop = [s for s in stop if s]
     if len(stop) > schema.MAX_STOP_STRINGS:
         raise NativeError(f"at most {schema.MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
-    salt = body.get("cache_salt")
-    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= schema.MAX_CACHE_SALT):
-        raise NativeError(f"cache_salt must be a string of 1 to {schema.MAX_CACHE_SALT} characters", "cache_salt")
+    salt = cache_salt(body)
     fields = body.get("response_fields") or []
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise NativeError("response_fields must be a list of strings", "response_fields")
@@ -283,8 +282,9 @@ def completion_request(
         "prompt": prompts[0] if len(prompts) == 1 else prompts,
         "stream": _flag(body, "stream"),
         "max_tokens": None if n_predict < 0 else n_predict,
-        # Out of range: brought into it, as llama-server does for these.
-        "temperature": _clamped(body, "temperature", 0.0, 2.0, _or(defaults.temperature, NATIVE_TEMPERATURE)),
+        # Out of range: brought into it, as llama-server does for these (its temperature is any
+        # float from 0 up; the sampler takes a float, so the largest float, not infinity).
+        "temperature": _clamped(body, "temperature", 0.0, FLT_MAX, _or(defaults.temperature, NATIVE_TEMPERATURE)),
         "top_k": int(_clamped(body, "top_k", 0, 2**31 - 1, NATIVE_TOP_K, integer=True)),
         "top_p": _clamped(body, "top_p", 0.0, 1.0, NATIVE_TOP_P),
         "min_p": _clamped(body, "min_p", 0.0, 1.0, NATIVE_MIN_P),
@@ -315,6 +315,15 @@ def completion_request(
     return req, options
 
 
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """``body``'s ``cache_salt`` (a scope of its own within the tenant), checked as on the
+    OpenAI routes."""
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= schema.MAX_CACHE_SALT):
+        raise NativeError(f"cache_salt must be a string of 1 to {schema.MAX_CACHE_SALT} characters", "cache_salt")
+    return salt
+
+
 def _json_schema(body: dict[str, Any]) -> dict[str, Any] | None:
     value = body.get("json_schema")
     if value is None:
@@ -340,13 +349,16 @@ BAN = float("-inf")  # a bias of false: the token is never picked
 
 # More digits than any token id has (int() refuses over 4300): outside the vocabulary, skipped.
 _MAX_ID_DIGITS = 12
+_C_SPACE = " \t\n\v\f\r"  # C's isspace() (the "C" locale), which strtol skips first
 
 
 def logit_bias(value: Any, vocab: Tokenizer, *, ignore_eos: bool = False) -> dict[str, float] | None:
-    """llama-server's ``logit_bias`` (``[[token, bias], ...]`` or ``{"token": bias}``, a token
-    as its id or as text, whose tokens all get the bias; a bias of ``false`` bans) as token
-    id -> bias. ``ignore_eos`` bans the end-of-generation tokens. Ids outside the vocabulary
-    are skipped, as there."""
+    """llama-server's ``logit_bias`` (a bias of ``false`` bans) as token id -> bias; read as
+    there: in ``[[token, bias], ...]`` an integer is a token id and a string text (digits too),
+    whose tokens all get the bias; in ``{"token": bias}`` a key is a token id when it is a
+    number as C's ``strtol`` reads it (``key_id``), and text otherwise. ``ignore_eos`` bans the
+    end-of-generation tokens. Ids outside the vocabulary (a negative one too) are skipped, as
+    there."""
     if value is None:
         items: list[Any] = []
     elif isinstance(value, list):
@@ -362,15 +374,15 @@ def logit_bias(value: Any, vocab: Tokenizer, *, ignore_eos: bool = False) -> dic
         if not isinstance(item, list) or len(item) != 2:
             raise NativeError("each logit_bias entry must be a [token, bias] pair", f"logit_bias[{i}]")
         token, bias = item
+        if isinstance(value, dict):
+            named = key_id(token)
+            token = token if named is None else named
         if bias is False:
             bias = BAN
         elif isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
             raise NativeError("a logit_bias bias must be a number or false", f"logit_bias[{i}]")
-        if isinstance(token, str) and not (token.isascii() and token.isdigit()):
+        if isinstance(token, str):
             tokens = vocab.tokenize(token, add_special=False, parse_special=False)
-        elif isinstance(token, str):  # digits: an id (more than any vocabulary's: none)
-            digits = token.lstrip("0") or "0"
-            tokens = [int(digits)] if len(digits) <= _MAX_ID_DIGITS else []
         elif isinstance(token, int) and not isinstance(token, bool):
             tokens = [token]
         else:
@@ -381,3 +393,25 @@ def logit_bias(value: Any, vocab: Tokenizer, *, ignore_eos: bool = False) -> dic
     if ignore_eos:
         out.update({str(t): BAN for t in vocab.eog_tokens})
     return out or None
+
+
+def key_id(key: str) -> int | None:
+    """The token id an object-form ``logit_bias`` key names, or None when the key is text:
+    llama-server's test, ``strtol(key, &end, 10)`` and ``*end == 0``. So C white space, then an
+    optional sign, then ASCII digits to the end (the key read as C reads it: up to a NUL);
+    an empty key is 0 (strtol reads nothing, and stops at the end). An id of more digits than
+    any vocabulary has is -1 (skipped, as there: strtol's overflow comes out negative or
+    wrapped; ours never wraps into the vocabulary)."""
+    text = key.split("\0", 1)[0]
+    if not text:
+        return 0
+    number = text.lstrip(_C_SPACE)
+    negative = number[:1] == "-"
+    if number[:1] in ("+", "-"):
+        number = number[1:]
+    if not number or not number.isascii() or not number.isdigit():
+        return None
+    digits = number.lstrip("0") or "0"
+    if len(digits) > _MAX_ID_DIGITS:
+        return -1
+    return -int(digits) if negative else int(digits)

@@ -2,18 +2,19 @@
 (``POST /slots/ID?action=save|restore|erase``).
 
 The list gives counts only, never a sequence's tokens or text: with API keys, sequences hold
-other tenants' prompts. For the same reason a caller saves or erases only a sequence that holds
-its own tenant's cache (or nothing), and what it restores is its own from then on. Save and
-restore keep files in the ``--slot-save-path`` folder only: a file name that is not a plain name
-in that folder (a path, ``..``, a hidden file) is refused, links are not followed, and an entry
-that is not a regular file (a directory, a FIFO) is neither read nor replaced (``slot_file``).
+other tenants' prompts. For the same reason a caller saves, erases or restores into only a
+sequence that holds its own scope's cache (or nothing), and what it restores is its own from
+then on: its scope is its tenant's and the body's ``cache_salt``, as for its completions. Save and
+restore keep files in the ``--slot-save-path`` folder only, each scope's in a subfolder of its
+own (so one tenant's file names are not another's): a file name that is not a plain name (a
+path, ``..``, a hidden file) is refused, links are not followed, and an entry that is not a
+regular file (a directory, a FIFO) is neither read nor replaced (``slot_file``).
 A busy sequence is a 409: the operation waits for no job; a failing folder (full, not
 writable) a 503.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import trio
 from quart import Response
 
-from server.api import slot_file
+from server.api import native_schema, slot_file
 from server.api.errors import ApiError
 from server.api.prepare import cache_scope
 from server.api.respond import json_response
@@ -77,11 +78,15 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
         message = "this server does not save or restore slots; start it with --slot-save-path"
         raise ApiError(501, message, code="not_supported")
     engine, info = lease.engine, lease.info
-    if not id_slot.isascii() or not id_slot.isdigit() or int(id_slot) >= engine.config.n_parallel:
+    seq_id = slot_number(id_slot)
+    if seq_id is None or seq_id >= engine.config.n_parallel:
         raise ApiError(400, f"invalid slot id {id_slot[:16]!r}", param="id_slot", code="invalid_value")
     if action not in ACTIONS:
         raise ApiError(400, f"invalid action {action[:16]!r}; one of save, restore, erase", param="action")
-    seq_id, scope = int(id_slot), cache_scope(None)
+    try:
+        scope = cache_scope(native_schema.cache_salt(body))
+    except native_schema.NativeError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
     started = time.monotonic()
     if action == "erase":
         op = await _engine_op(engine, SlotOp("erase", seq_id, scope))
@@ -90,11 +95,12 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
     if not isinstance(filename, str) or not FILENAME.fullmatch(filename):
         message = "filename must be a plain file name (letters, digits, '.', '-', '_'; no path)"
         raise ApiError(400, message, param="filename", code="invalid_value")
-    path = os.path.join(folder, filename)
     if action == "save":
         op = await _engine_op(engine, SlotOp("save", seq_id, scope))
         try:
-            written = await trio.to_thread.run_sync(slot_file.write, path, info.fingerprint, scope, op.tokens, op.data)
+            written = await trio.to_thread.run_sync(
+                slot_file.write, folder, filename, info.fingerprint, scope, op.tokens, op.data
+            )
         except slot_file.SlotFileError as exc:
             raise ApiError(409, f"{filename}: {exc}", param="filename", code="conflict") from None
         except slot_file.StorageError as exc:
@@ -103,7 +109,7 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
         payload = {"id_slot": seq_id, "filename": filename, "n_saved": len(op.tokens), "n_written": written}
         return json_response({**payload, "timings": {"save_ms": ms}})
     try:
-        tokens, data, size = await trio.to_thread.run_sync(slot_file.read, path, info.fingerprint, scope)
+        tokens, data, size = await trio.to_thread.run_sync(slot_file.read, folder, filename, info.fingerprint, scope)
     except (FileNotFoundError, slot_file.NotOwner):  # another tenant's file is none of its business
         raise ApiError(404, f"no saved slot named {filename!r}", param="filename", code="not_found") from None
     except slot_file.SlotFileError as exc:
@@ -116,6 +122,18 @@ async def slot_action(state: ServerState, lease: Lease, id_slot: str, action: st
     ms = (time.monotonic() - started) * 1000
     payload = {"id_slot": seq_id, "filename": filename, "n_restored": len(tokens), "n_read": size}
     return json_response({**payload, "timings": {"restore_ms": ms}})
+
+
+# More digits than any slot number has (int() refuses over 4300 digits): no such slot.
+_MAX_SLOT_DIGITS = 9
+
+
+def slot_number(id_slot: str) -> int | None:
+    """The slot number a path names (ASCII digits, leading zeros allowed), or None."""
+    if not id_slot.isascii() or not id_slot.isdigit():
+        return None
+    digits = id_slot.lstrip("0") or "0"
+    return int(digits) if len(digits) <= _MAX_SLOT_DIGITS else None
 
 
 def _storage(filename: str, exc: slot_file.StorageError) -> ApiError:

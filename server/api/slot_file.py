@@ -9,14 +9,21 @@
     u32 + 4n the tokens the state holds (int32 each)
     rest     the sequence state (``llama_state_seq_get_data``)
 
-Little-endian. Written to a new file beside the target and renamed over it (a reader never sees
-half a file); opened without following links, so a link in the folder leads nowhere else, and
-without blocking, so that a FIFO answers at once; anything but a regular file (a directory, a
-FIFO, a device) is neither read nor replaced. Blocking: call these in a worker thread.
+Little-endian. Each cache scope (a tenant, and its ``cache_salt``) keeps its files in a
+subfolder of its own of the slot folder, named by a digest of the scope (``folder_name``), so a
+file name of one tenant is not another's: a save never meets another's file, and neither a save
+nor a restore tells whether one of that name exists. A file saved at the folder's top (versions
+before the subfolders) is still restored for its owner, and is nothing to anyone else.
+
+Written to a new file beside the target and renamed over it (a reader never sees half a file);
+opened without following links (the subfolder too), so a link in the folder leads nowhere else,
+and without blocking, so that a FIFO answers at once; anything but a regular file (a directory,
+a FIFO, a device) is neither read nor replaced. Blocking: call these in a worker thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -24,6 +31,7 @@ import stat
 import struct
 from array import array
 from collections.abc import Sequence
+from typing import BinaryIO
 
 MAGIC = b"LLTRSLOT"
 VERSION = 1
@@ -91,27 +99,41 @@ def decode(raw: bytes, fingerprint: str, scope: str) -> tuple[list[int], bytes]:
     return ids.tolist(), raw[end:]
 
 
-def write(path: str, fingerprint: str, scope: str, tokens: Sequence[int], state: bytes | bytearray) -> int:
-    """Save to ``path`` (replacing a file of the same owner; ``NotOwner`` for another's,
-    ``SlotFileError`` for an entry that is not a regular file); the bytes written. Raises
-    ``StorageError`` when the folder fails."""
+def folder_name(scope: str) -> str:
+    """The subfolder of the slot folder that holds ``scope``'s files: a digest of the scope
+    (never the scope or key itself), so that no tenant's file names are another's."""
+    return hashlib.sha256(b"llama-trio slot folder\0" + scope.encode()).hexdigest()[:32]
+
+
+def write(folder: str, name: str, fingerprint: str, scope: str, tokens: Sequence[int], state: bytes | bytearray) -> int:
+    """Save as ``name`` in ``scope``'s subfolder of ``folder`` (made when missing; replacing a
+    file of the same owner there, ``NotOwner`` for another's, ``SlotFileError`` for an entry that
+    is not a regular file); the bytes written. Raises ``StorageError`` when the folder fails."""
     head = encode_head(fingerprint, scope, tokens)
-    _check_owner(path, scope)
+    dir_fd = _open_folder(folder, scope, create=True)
+    try:
+        return _write_in(dir_fd, name, scope, head, state)
+    finally:
+        os.close(dir_fd)
+
+
+def _write_in(dir_fd: int, name: str, scope: str, head: bytes, state: bytes | bytearray) -> int:
+    _check_owner(name, dir_fd, scope)
     # A short name of its own (never a name the route accepts: those start with no dot), so
     # that a target name of any accepted length has a temporary name within NAME_MAX.
-    temp = os.path.join(os.path.dirname(path), f".slot-{secrets.token_hex(6)}.tmp")
+    temp = f".slot-{secrets.token_hex(6)}.tmp"
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     except OSError as exc:
         raise StorageError(f"cannot be written ({exc.strerror})") from None
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(head)
             out.write(state)
-        os.replace(temp, path)
+        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException as exc:
-        if os.path.lexists(temp):
-            os.unlink(temp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp, dir_fd=dir_fd)
         if isinstance(exc, IsADirectoryError | NotADirectoryError):  # made there since the check
             raise SlotFileError("cannot be replaced (not a regular file)") from None
         if isinstance(exc, OSError):
@@ -120,11 +142,34 @@ def write(path: str, fingerprint: str, scope: str, tokens: Sequence[int], state:
     return len(head) + len(state)
 
 
-def _open_regular(path: str) -> int:
-    """A descriptor for reading ``path``: not through a link, never waiting (a FIFO), and
-    ``SlotFileError`` unless it is a regular file. Raises ``FileNotFoundError`` too."""
+def _open_folder(folder: str, scope: str, *, create: bool) -> int:
+    """A descriptor of ``scope``'s subfolder of ``folder`` (not through a link), made first
+    when ``create``. Raises ``FileNotFoundError`` (none yet, not ``create``) or
+    ``StorageError``."""
+    path = os.path.join(folder, folder_name(scope))
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StorageError(f"cannot be written ({exc.strerror})") from None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if create:  # removed since: the folder's trouble
+            raise StorageError("cannot be written (its client's folder is gone)") from None
+        raise
+    except OSError as exc:  # a link or a file where the client's folder should be
+        raise StorageError(f"cannot be used (its client's folder: {exc.strerror})") from None
+
+
+def _open_regular(name: str, dir_fd: int | None = None) -> int:
+    """A descriptor for reading ``name`` (in ``dir_fd``): not through a link, never waiting
+    (a FIFO), and ``SlotFileError`` unless it is a regular file. Raises ``FileNotFoundError``
+    too."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if isinstance(exc, FileNotFoundError):
             raise
@@ -139,40 +184,82 @@ def _open_regular(path: str) -> int:
     return fd
 
 
-def _check_owner(path: str, scope: str) -> None:
-    """``NotOwner`` when ``path`` is a saved slot of another owner (any model);
+def _read_head(f: BinaryIO) -> bytes:
+    """The part of a file that holds its owner (a fingerprint of at most 4 KiB before it)."""
+    try:
+        return f.read(len(MAGIC) + 8 + 4096 + 32)
+    except OSError as exc:
+        raise StorageError(f"cannot be read ({exc.strerror})") from None
+
+
+def _owner_of(head: bytes) -> bytes | None:
+    """The owner digest a file's head names, or None when it is not a saved slot's head."""
+    if head[: len(MAGIC)] != MAGIC:
+        return None
+    try:
+        (n_mark,) = _U32.unpack_from(head, len(MAGIC) + 4)
+    except struct.error:
+        return None
+    at = len(MAGIC) + 8 + n_mark
+    return head[at : at + 32] if len(head) >= at + 32 else None
+
+
+def _check_owner(name: str, dir_fd: int, scope: str) -> None:
+    """``NotOwner`` when ``name`` is a saved slot of another owner (any model);
     ``SlotFileError`` when it is there but not a regular file."""
     try:
-        fd = _open_regular(path)
+        fd = _open_regular(name, dir_fd)
     except FileNotFoundError:
         return
     except SlotFileError as exc:
         raise SlotFileError(f"cannot be replaced: {exc}") from None
     with os.fdopen(fd, "rb") as f:
-        try:
-            head = f.read(len(MAGIC) + 8 + 4096 + 32)
-        except OSError as exc:
-            raise StorageError(f"cannot be read ({exc.strerror})") from None
-    if head[: len(MAGIC)] != MAGIC:
-        return  # not a slot file: replaced
-    try:
-        (n_mark,) = _U32.unpack_from(head, len(MAGIC) + 4)
-    except struct.error:
-        return
-    at = len(MAGIC) + 8 + n_mark
-    if len(head) >= at + 32 and head[at : at + 32] != owner(scope):
+        owned_by = _owner_of(_read_head(f))
+    if owned_by is not None and owned_by != owner(scope):  # not a slot file: replaced
         raise NotOwner("a file of that name belongs to another client")
 
 
-def read(path: str, fingerprint: str, scope: str) -> tuple[list[int], bytes, int]:
-    """The tokens and state saved at ``path``, and the file's size. Raises
-    ``FileNotFoundError``, ``SlotFileError`` (a link or anything but a regular file, not a slot
-    of this model, or ``NotOwner``) or ``StorageError``."""
-    fd = _open_regular(path)
+def read(folder: str, name: str, fingerprint: str, scope: str) -> tuple[list[int], bytes, int]:
+    """The tokens and state saved as ``name`` in ``scope``'s subfolder of ``folder`` (or, for
+    its owner only, at the folder's top, where versions before the subfolders saved), and the
+    file's size. Raises ``FileNotFoundError``, ``SlotFileError`` (a link or anything but a
+    regular file, not a slot of this model, or ``NotOwner``) or ``StorageError``."""
+    try:
+        dir_fd = _open_folder(folder, scope, create=False)
+    except FileNotFoundError:
+        return _read_top(folder, name, fingerprint, scope)
+    try:
+        fd = _open_regular(name, dir_fd)
+    except FileNotFoundError:
+        return _read_top(folder, name, fingerprint, scope)
+    finally:
+        os.close(dir_fd)
     with os.fdopen(fd, "rb") as f:
-        try:
-            raw = f.read()
-        except OSError as exc:
-            raise StorageError(f"cannot be read ({exc.strerror})") from None
+        raw = _read_rest(f, b"")
     tokens, state = decode(raw, fingerprint, scope)
     return tokens, state, len(raw)
+
+
+def _read_top(folder: str, name: str, fingerprint: str, scope: str) -> tuple[list[int], bytes, int]:
+    """A file saved at the folder's top (one namespace for every client, before the
+    subfolders), read for its owner only: anything else of that name there (another's file, one
+    that is not a slot, not a regular file) is ``FileNotFoundError``, so that it tells a caller
+    nothing, and another's is never read past its head."""
+    try:
+        fd = _open_regular(os.path.join(folder, name))
+    except SlotFileError:
+        raise FileNotFoundError(name) from None
+    with os.fdopen(fd, "rb") as f:
+        head = _read_head(f)
+        if _owner_of(head) != owner(scope):
+            raise FileNotFoundError(name)
+        raw = _read_rest(f, head)
+    tokens, state = decode(raw, fingerprint, scope)
+    return tokens, state, len(raw)
+
+
+def _read_rest(f: BinaryIO, head: bytes) -> bytes:
+    try:
+        return head + f.read()
+    except OSError as exc:
+        raise StorageError(f"cannot be read ({exc.strerror})") from None

@@ -155,7 +155,8 @@ def refusal(op: SlotOp, slot: Slot) -> EngineError | None:
     """Why ``op`` cannot run on ``slot`` now, or None. Pure; the engine task asks."""
     if slot.choice is not None:
         return SlotBusy(f"slot {slot.seq_id} is running a request; try again when it is idle")
-    if op.kind != "restore" and slot.cached and slot.scope != op.scope:
+    # A restore reads nothing of it, but would drop it: refused as an erase.
+    if slot.cached and slot.scope != op.scope:
         return SlotBusy(f"slot {slot.seq_id} holds another client's cache")
     return None
 
