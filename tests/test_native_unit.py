@@ -336,7 +336,7 @@ def test_slot_op_refusals() -> None:
 def test_parse_work_counts_every_text_the_parse_tokenizes() -> None:
     """Found by review: logit_bias texts, /infill's suffix and extra files were not counted, so
     their tokenizing ran on the event loop."""
-    from server.api.native import parse_work
+    from server.api.native_prompt import parse_work
     from server.api.preflight import INLINE_WORK_CHARS
 
     text = "a" * INLINE_WORK_CHARS
