@@ -35,6 +35,24 @@ _LEVELS = {
 # Warnings llama.cpp writes for what we asked for, logged at DEBUG: a decode stopped by
 # ``Context.interrupt`` drops the positions of the ubatch it was on.
 _EXPECTED = ("decode: removing memory module entries",)
+# And the errors it writes for that stop (its abort callback said stop), logged at DEBUG when
+# the flag of the context this thread decodes with is set (``decoding``): a client that leaves
+# mid-prefill is no error of ours. The same lines without the flag stay errors.
+_INTERRUPTED = (
+    "graph_compute: ggml_backend_sched_graph_compute_async failed",
+    "process_ubatch: failed to compute graph",
+    "llama_decode: failed to decode",
+)
+
+
+def decoding(flag: Any) -> None:
+    """Say that this thread now decodes with the context whose interrupt flag is ``flag``."""
+    _threads.flag = flag
+
+
+def _interrupted() -> bool:
+    flag = getattr(_threads, "flag", None)
+    return flag is not None and bool(flag[0])
 
 
 class _Lines:
@@ -58,7 +76,8 @@ class _Lines:
                 if self.tap is not None:
                     self.tap.append((self.level, line.rstrip()))
                 if not logged:
-                    level = logging.DEBUG if line.startswith(_EXPECTED) else self.level
+                    expected = line.startswith(_EXPECTED) or (line.startswith(_INTERRUPTED) and _interrupted())
+                    level = logging.DEBUG if expected else self.level
                     log.log(level, "%s", line.rstrip())
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ffi._lib import ffi, lib, log_lines
+from ffi._lib import decoding, ffi, lib, log_lines
 from ffi.errors import ClosedError, ContextError, check_decode
 from ffi.model import Model
 
@@ -281,6 +281,7 @@ class Context:
         """Run the model over ``batch``; raises a ``DecodeError`` subclass on failure."""
         raw = batch.raw
         raw.n_tokens = batch.n_tokens
+        decoding(self._interrupted)  # its errors for an interrupt are logged as what they are
         check_decode(lib.llama_decode(self.ptr, raw))
 
     def interrupt(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import pathlib
 import threading
@@ -281,10 +282,14 @@ def test_truncated_gguf_raises(tmp_path: pathlib.Path, model_path: pathlib.Path)
         ffi.Model(truncated)
 
 
-def test_interrupt_stops_a_decode_from_another_thread_and_resume_lets_decodes_run(model: ffi.Model) -> None:
+def test_interrupt_stops_a_decode_from_another_thread_and_resume_lets_decodes_run(
+    model: ffi.Model, caplog: pytest.LogCaptureFixture
+) -> None:
     """``interrupt`` ends a decode in progress (or the next one) with ``DecodeAbortedError``;
     only whole ubatches before the one it stopped stay in the KV memory; after ``resume`` the
-    same context decodes again as if nothing happened."""
+    same context decodes again as if nothing happened. llama.cpp's errors for the stop are
+    logged at DEBUG, not as errors (a client that leaves is none)."""
+    caplog.set_level(logging.DEBUG, "llama_trio.llama_cpp")
     prompt = (model.vocab.tokenize(PROMPT) * 200)[:2000]
     with (
         ffi.Context(model, n_ctx=2048, n_batch=2048, n_ubatch=256, n_seq_max=1, n_threads=1) as context,
@@ -322,6 +327,9 @@ def test_interrupt_stops_a_decode_from_another_thread_and_resume_lets_decodes_ru
         batch.add_run(prompt[:8], 0, 0, logits_last=True)
         context.decode(batch)
         assert context.seq_cells(0) == 8
+    stops = [r for r in caplog.records if r.getMessage().startswith("llama_decode: failed to decode")]
+    assert len(stops) == 2 and all(r.levelno == logging.DEBUG for r in stops), caplog.records
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_close_is_idempotent_and_use_after_close_raises(model_path: pathlib.Path) -> None:
