@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from server.serve import held_signals
 from server.settings import Settings, parse_settings
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    held_signals.hold(signal.SIGHUP)  # until the lifecycle listens (a hot restart asked early)
     settings = parse_settings(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(

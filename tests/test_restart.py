@@ -103,6 +103,36 @@ def test_hot_restart_under_load_through_a_new_model(
         assert f"hot restart: process {new} is ready; process {old} hands over and drains" in proc.log
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``signum`` (/proc's SigCgt)."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def test_a_sighup_while_the_process_starts_is_a_hot_restart_once_it_listens() -> None:
+    """A SIGHUP that comes before the lifecycle listens for signals (the start's imports, a
+    second or two on a small machine) ended the process without a word. It is held, then
+    handled: a hot restart once the server is up."""
+    with ServerProcess(SMALL) as proc, restarts_of(proc):
+        # The model's load begins before the server's imports, and logs its start at once.
+        wait_for(lambda: ": 0%" in proc.log, "the model's load to begin", GUARD)
+        assert "listening on" not in proc.log  # still starting
+        assert _catches(proc.proc.pid, signal.SIGHUP)
+        proc.send_signal(signal.SIGHUP)
+        ready = re.compile(rf"hot restart: process (\d+) is ready; process {proc.proc.pid} hands over")
+        wait_for(lambda: ready.search(proc.log), "the hot restart", GUARD)
+        assert proc.wait(GUARD) == 0, proc.log
+        match = ready.search(proc.log)
+        assert match is not None
+        new_pid = int(match.group(1))
+        assert httpx.get(proc.url + "/health", timeout=GUARD).status_code == 200  # the new process
+        os.kill(new_pid, signal.SIGTERM)
+        assert wait_pid(new_pid, GUARD) == 0, proc.log
+    assert "Traceback" not in proc.log
+
+
 def test_failed_hot_restart_keeps_the_old_process_serving(model_link: pathlib.Path) -> None:
     """The new copy cannot load its model (the file is gone): the old process logs why, tells
     systemd it is ready again and serves on, and no request fails. A second SIGHUP while the

@@ -50,7 +50,7 @@ from server.models.loading import EarlyLoads
 from server.net.connection import ARRIVAL_GRACE, Connection
 from server.net.header_case import CanonicalHeaders
 from server.net.listener import bound_address, bound_port, open_listener
-from server.serve import restart, sdnotify
+from server.serve import held_signals, restart, sdnotify
 from server.settings import Settings
 from server.state import ServerState
 
@@ -322,15 +322,20 @@ class Service:
         signums = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
         async with trio.open_nursery() as restarts:
             with trio.open_signal_receiver(*signums) as signals:
+                for signum in held_signals.take():  # arrived while the process started
+                    self._on_signal(signum, restarts)
                 async for signum in signals:
-                    if signum == signal.SIGUSR2:
-                        logger.warning("trio tasks:\n%s", _task_tree(trio.lowlevel.current_root_task()))
-                        continue
-                    logger.info("received %s", signal.Signals(signum).name)
-                    if signum == signal.SIGHUP:
-                        self._start_restart(restarts)
-                    else:
-                        self.request_stop()
+                    self._on_signal(signum, restarts)
+
+    def _on_signal(self, signum: int, restarts: trio.Nursery) -> None:
+        if signum == signal.SIGUSR2:
+            logger.warning("trio tasks:\n%s", _task_tree(trio.lowlevel.current_root_task()))
+            return
+        logger.info("received %s", signal.Signals(signum).name)
+        if signum == signal.SIGHUP:
+            self._start_restart(restarts)
+        else:
+            self.request_stop()
 
     def _start_restart(self, nursery: trio.Nursery) -> None:
         if self._stop.is_set():
