@@ -146,20 +146,19 @@ def _settings(*extra: str):
 
 
 def test_a_cache_larger_than_what_is_left_is_refused(model: ffi.Model, caplog: pytest.LogCaptureFixture) -> None:
-    settings = _settings()
     attention = ffi.Attention()
     need = ffi.kv_cache_bytes(model, 4096, 4, attention)
     assert need is not None
     with pytest.raises(ffi.ContextError) as exc:
-        check_kv_fits(model, settings, attention, Available(need - 1, "the test's bound"))
+        check_kv_fits(model, 4096, 4, attention, Available(need - 1, "the test's bound"))
     message = str(exc.value)
     assert f"needs {need // MIB} MiB (4096 cells x {model.n_layer} layers, K f16 / V f16)" in message
-    assert "the test's bound leaves" in message and "--ctx-size" in message
+    assert "the test's bound leaves" in message and "lower the context size (--ctx-size" in message
     with caplog.at_level(logging.WARNING, "llama_trio.models"):
-        check_kv_fits(model, settings, attention, Available(need + 1, "the test's bound"))
+        check_kv_fits(model, 4096, 4, attention, Available(need + 1, "the test's bound"))
         assert "takes" in caplog.text  # fits, but takes nearly all that is left
         caplog.clear()
-        check_kv_fits(model, settings, attention, Available(need * 2, "the test's bound"))
+        check_kv_fits(model, 4096, 4, attention, Available(need * 2, "the test's bound"))
         assert caplog.text == ""
 
 
@@ -168,9 +167,9 @@ def test_layers_offloaded_with_their_cache_need_no_memory_here(
 ) -> None:
     # As an RPC or GPU load places them: every repeating layer elsewhere, the output layer here.
     monkeypatch.setattr(model, "placement", ffi.Placement({"CPU": 1, "RPC[127.0.0.1:1]": model.n_layer}))
-    check_kv_fits(model, _settings(), ffi.Attention(), Available(0, "nothing"))
+    check_kv_fits(model, 4096, 4, ffi.Attention(), Available(0, "nothing"))
     with pytest.raises(ffi.ContextError):  # with --no-kv-offload the whole cache stays here
-        check_kv_fits(model, _settings(), ffi.Attention(offload_kv=False), Available(0, "nothing"))
+        check_kv_fits(model, 4096, 4, ffi.Attention(offload_kv=False), Available(0, "nothing"))
 
 
 def test_the_prompt_cache_keeps_to_half_of_what_is_left(model: ffi.Model, caplog: pytest.LogCaptureFixture) -> None:
@@ -193,5 +192,5 @@ def test_a_server_whose_cache_cannot_fit_says_so_and_exits() -> None:
     with ServerProcess(["--parallel", "1", "--ctx-size", str(cells), "--threads", "1"]) as proc:
         assert proc.wait(GUARD) == 1
     assert "the KV cache of SmolLM2-135M-Instruct.Q4_1.gguf needs" in proc.log, proc.log
-    assert "lower --ctx-size" in proc.log
+    assert "lower the context size (--ctx-size, or ctx_size in a preset)" in proc.log
     assert "Traceback" not in proc.log and "insufficient memory" not in proc.log
