@@ -8,6 +8,7 @@ launch).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import re
@@ -361,8 +362,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--{wrong[0].replace('_', '-')} {wrong[1]}")
     if settings.cache_ram < 0:
         parser.error("--cache-ram must be 0 (off) or a number of MiB")
-    if not settings.responses_max_mb > 0:  # also NaN
-        parser.error("--responses-max-mb must be a positive number of MiB (fractions allowed)")
+    if not 0 < settings.responses_max_mb < math.inf:  # also NaN
+        parser.error("--responses-max-mb must be a positive, finite number of MiB (fractions allowed)")
     if settings.temp is not None and not 0.0 <= settings.temp <= 2.0:
         parser.error("--temp must be between 0 and 2")
     if settings.seed is not None and not 0 <= settings.seed < 2**32:

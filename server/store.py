@@ -151,7 +151,11 @@ class ResponseStore:
             db = self._db
             if db is None:
                 raise StoreError(0, "the responses store is not open")
-            return await trio.to_thread.run_sync(fn, db)
+            try:
+                return await trio.to_thread.run_sync(fn, db)
+            except sqlite3.Error as exc:  # locked past the busy timeout, disk full, corrupt, I/O
+                logger.warning("responses store: %s", exc)
+                raise StoreError(0, f"the responses store failed: {exc}") from None
 
     def begin(self, tenant: str, id_: str) -> None:
         """``tenant``'s response ``id_`` is being made: a delete before its ``put`` is kept."""
@@ -186,7 +190,7 @@ class ResponseStore:
                 dropped = _trim(db, tenant, self.max_bytes)
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                _roll_back(db)
                 raise
             if dropped:
                 logger.debug(
@@ -244,8 +248,15 @@ def _make_tenant_bytes(db: sqlite3.Connection) -> None:
                 db.execute(statement)
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        _roll_back(db)
         raise
+
+
+def _roll_back(db: sqlite3.Connection) -> None:
+    """End the transaction a failed statement left, if SQLite has not ended it itself (a full
+    disk does): a ROLLBACK then would raise in place of the error that explains."""
+    if db.in_transaction:
+        db.execute("ROLLBACK")
 
 
 def _trim(db: sqlite3.Connection, tenant: str, max_bytes: int) -> int:

@@ -88,7 +88,7 @@ def test_a_flood_of_big_compiles_sent_and_abandoned_leaves_other_clients_served(
     def flood(k: int) -> None:
         while not stop.is_set():
             body = {"response_format": response_format(big_schema(f"f{k}n{sent[k]}")), "max_tokens": 1}
-            send_and_reset(server, body, after=0.3)
+            send_and_reset(server, body, after=0.8)  # past the request's preparation: into the compile queue
             sent[k] += 1
 
     def watch() -> None:

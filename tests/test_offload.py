@@ -84,6 +84,8 @@ def test_flags_from_the_environment() -> None:
         (["--rpc", "h:70000"], {}, "not host:port"),
         (["-fa", "off", "-ctv", "q8_0"], {}, "needs flash attention"),
         ([], {"LLAMA_TRIO_SPLIT_MODE": "rows"}, "LLAMA_TRIO_SPLIT_MODE"),
+        (["--responses-max-mb", "inf"], {}, "--responses-max-mb must be a positive, finite number"),
+        ([], {"LLAMA_TRIO_RESPONSES_MAX_MB": "nan"}, "--responses-max-mb must be"),
     ],
 )
 def test_bad_values_are_refused(

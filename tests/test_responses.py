@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
+import sqlite3
+import threading
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -291,6 +294,44 @@ def test_a_response_too_large_for_the_store_says_it_was_not_stored() -> None:
                     client.responses.retrieve(id_)
             small = client.responses.create(model="x", input="Hi.", max_output_tokens=2)
             assert small.store is True and client.responses.retrieve(small.id).id == small.id
+
+
+def test_an_answer_the_store_cannot_keep_is_given_unstored(tmp_path: pathlib.Path) -> None:
+    """The store's file is locked past its busy timeout (another process's long write, as a hot
+    restart's two may hold): the answer was a 500 and a stream ended without its final event.
+    Now both come whole, with ``store: false``, and the store serves again once it can."""
+    db = tmp_path / "responses.db"
+    with serving(["--threads", "1", "--responses-db", str(db)]) as proc:
+        with openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+            kept = client.responses.create(model="x", input="Hi.", max_output_tokens=2)
+            other = sqlite3.connect(db, isolation_level=None)
+            try:
+                other.execute("BEGIN EXCLUSIVE")
+                results: dict[str, Any] = {}
+
+                def whole() -> None:
+                    results["whole"] = client.responses.create(model="x", input="Hi.", max_output_tokens=2)
+
+                def streamed() -> None:
+                    with client.responses.stream(model="x", input="Hi.", max_output_tokens=2) as stream:
+                        events = list(stream)
+                        results["streamed"] = [e.type for e in events], getattr(events[-1], "response", None)
+
+                threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(60)
+            finally:
+                other.close()
+            assert results["whole"].store is False
+            types, final = results["streamed"]
+            assert types[-1] in ("response.completed", "response.incomplete"), types
+            assert final is not None and final.store is False
+            assert client.responses.retrieve(kept.id).id == kept.id
+            again = client.responses.create(model="x", input="Hi.", max_output_tokens=2)
+            assert again.store is True
+    assert "responses store: database is locked" in proc.log and "Traceback" not in proc.log
 
 
 def test_a_streamed_response_is_stored_before_its_end_is_read(sdk: openai.OpenAI) -> None:

@@ -170,3 +170,26 @@ async def test_a_response_deleted_while_being_made_is_not_kept() -> None:
         assert not store._pending
     finally:
         store.close()
+
+
+async def test_a_store_that_fails_says_so_as_a_store_error(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SQLite's own errors (here: locked past the busy timeout, as another process's long write
+    # does) reached the routes as a 500; they are StoreErrors, and the store works again after.
+    monkeypatch.setattr("server.store.BUSY_TIMEOUT_S", 0.2)
+    path = str(tmp_path / "responses.db")
+    store = opened(path, 1 << 20)
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        await store.put("t", "resp_1", response("resp_1", "kept"), [])
+        other.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(StoreError, match="the responses store failed: database is locked"):
+            await store.put("t", "resp_2", response("resp_2", "not now"), [])
+        other.execute("ROLLBACK")
+        assert await store.put("t", "resp_2", response("resp_2", "now"), [])
+        got = await store.get("t", "resp_1")
+        assert got is not None and got.response["id"] == "resp_1"
+    finally:
+        other.close()
+        store.close()

@@ -84,15 +84,24 @@ def _specs(req: schema.ChatCompletionRequest) -> list[tool_grammar.ToolSpec]:
         for tool in req.tools or ()
         if not isinstance(choice, schema.NamedToolChoice) or tool.function.name == choice.function.name
     ]
-    # Parameters that do not say their type are an object's all the same (``{}``: any object).
     return [
-        tool_grammar.ToolSpec(
-            tool.function.name,
-            tool.function.description or "",
-            {"type": "object", **tool.function.parameters} if tool.function.parameters else NO_PARAMETERS,
-        )
+        tool_grammar.ToolSpec(tool.function.name, tool.function.description or "", _object(tool.function.parameters))
         for tool in chosen
     ]
+
+
+def _object(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A tool's parameters that do not say their type are an object's all the same (``{}``:
+    none); but not where the type comes from elsewhere (a ``$ref``, ``anyOf``...), which
+    llguidance would have to intersect with, level by level."""
+    if not parameters:
+        return NO_PARAMETERS
+    if "type" in parameters or not _TYPED_ELSEWHERE.isdisjoint(parameters):
+        return parameters
+    return {"type": "object", **parameters}
+
+
+_TYPED_ELSEWHERE = frozenset({"$ref", "anyOf", "oneOf", "allOf", "if", "not", "const", "enum"})
 
 
 async def output_grammar(

@@ -75,13 +75,8 @@ async def create() -> Response:
         dialect = stream.ResponsesStream(prepared, head)
 
         async def before_closing() -> Sequence[bytes] | None:
-            if keep is not None and dialect.final is not None:
-                try:
-                    if not await keep(dialect.final):
-                        return dialect.closing_unstored()
-                except ApiError as exc:  # the answer is out already: it ends, not stored
-                    logger.warning("response %s not stored: %s", head["id"], exc.message)
-                    return dialect.closing_unstored()
+            if keep is not None and dialect.final is not None and not await _kept(keep, dialect.final, head["id"]):
+                return dialect.closing_unstored()
             return None
 
         return streamed_response(
@@ -91,7 +86,7 @@ async def create() -> Response:
         choice = (await collect(prepared, trace))[0]
         output = render.whole_output(choice.text, choice.finish, prepared.tools)
         answer = render.response(head, render.status_of(choice.finish), output, choice.usage)
-        if keep is not None and not await keep(answer):
+        if keep is not None and not await _kept(keep, answer, head["id"]):
             answer["store"] = False
     finally:
         ended()
@@ -138,6 +133,16 @@ def _keeper(
         return await _stored(lambda: store.put(owner, id_, answer, context))
 
     return keep
+
+
+async def _kept(keep: Callable[[dict[str, Any]], Awaitable[bool]], answer: dict[str, Any], id_: str) -> bool:
+    """Whether ``answer`` was stored; a store that fails (not open, locked, full, corrupt)
+    leaves it unstored, never lost: the client gets it, with ``store: false``."""
+    try:
+        return await keep(answer)
+    except ApiError as exc:
+        logger.warning("response %s not stored: %s", id_, exc.message)
+        return False
 
 
 async def _stored(call: Callable[[], Awaitable[T]]) -> T:
