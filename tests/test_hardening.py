@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +21,7 @@ import ffi
 from server.api.prompt import chat_tokens, text_tokens
 from tests.support.process import ServerProcess, serving
 from tests.support.rawhttp import closed_by_peer, dechunk, http_get, read_head, request_bytes
+from tests.support.stalls import health_while
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -104,15 +104,6 @@ def test_h2c_upgrade_is_answered_in_http_1_1(server: ServerProcess) -> None:
 # -- no request stalls the event loop ---------------------------------------------------------
 
 
-def health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
-    with httpx.Client(timeout=30) as client:
-        while not stop.is_set():
-            started = time.monotonic()
-            assert client.get(url + "/health").status_code == 200
-            out.append(time.monotonic() - started)
-            time.sleep(0.01)
-
-
 @pytest.mark.parametrize(
     ("path", "body", "code"),
     [
@@ -160,21 +151,7 @@ def health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
 def test_health_answers_while_the_biggest_requests_are_prepared(
     server: ServerProcess, path: str, body: dict[str, Any], code: str | None
 ) -> None:
-    data = json.dumps(body).encode()
-    assert len(data) < 4 * 1024 * 1024
-    latencies: list[float] = []
-    stop = threading.Event()
-    prober = threading.Thread(target=health_latencies, args=(server.url, stop, latencies))
-    prober.start()
-    try:
-        time.sleep(0.2)
-        response = httpx.post(
-            server.url + path, content=data, headers={"Content-Type": "application/json"}, timeout=120
-        )
-    finally:
-        stop.set()
-        prober.join()
-    assert len(latencies) >= 5
+    response, latencies = health_while(server, path, body)
     # Before: seconds to minutes with the event loop inside the tokenizer.
     assert max(latencies) < 1.0, sorted(latencies)[-5:]
     # Far too long for one sequence: prepared in full, then refused (or refused at once).

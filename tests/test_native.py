@@ -9,7 +9,6 @@ import pathlib
 import re
 import stat
 import threading
-import time
 
 import httpx
 import pytest
@@ -17,8 +16,8 @@ import pytest
 import ffi
 from bench.random_model import SHAPES, write_model
 from tests.support.process import NO_END_TOKENS, ServerProcess, serving
+from tests.support.stalls import health_while
 from tests.support.waiting import wait_for
-from tests.test_hardening import health_latencies
 
 pytestmark = pytest.mark.server
 
@@ -286,25 +285,6 @@ def test_logit_bias_forms(server: ServerProcess) -> None:
     for bias in ([[first, False]], {str(first): -100}, [[text, -100]]):
         (other,) = post(server, "/completion", {**body, "logit_bias": bias}).json()["tokens"]
         assert other != first, bias
-
-
-def health_while(server: ServerProcess, path: str, body: dict) -> tuple[httpx.Response, list[float]]:
-    """``body``'s answer, and how long each ``/health`` took while it was prepared."""
-    data = json.dumps(body).encode()
-    assert len(data) < 4 * 1024 * 1024  # under the body limit
-    latencies: list[float] = []
-    stop = threading.Event()
-    prober = threading.Thread(target=health_latencies, args=(server.url, stop, latencies))
-    prober.start()
-    try:
-        time.sleep(0.2)
-        headers = {"Content-Type": "application/json"}
-        response = httpx.post(server.url + path, content=data, headers=headers, timeout=120)
-    finally:
-        stop.set()
-        prober.join()
-    assert len(latencies) >= 5
-    return response, latencies
 
 
 @pytest.mark.parametrize("form", ["array", "object"])
