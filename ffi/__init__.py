@@ -8,7 +8,7 @@ from ffi import backend
 from ffi._lib import ProgressReporter, log_lines
 from ffi.backend import BackendError, Device, Placement
 from ffi.chat import ChatTemplate
-from ffi.context import Attention, Batch, Context, kv_cache_bytes
+from ffi.context import Attention, Batch, Context, kv_cache_bytes, padded_cells
 from ffi.errors import (
     ClosedError,
     ContextError,
@@ -56,5 +56,6 @@ __all__ = [
     "backend",
     "check_decode",
     "kv_cache_bytes",
+    "padded_cells",
     "log_lines",
 ]

@@ -140,15 +140,22 @@ class Attention:
 
 
 def kv_cache_bytes(
-    model: Model, n_ctx: int, n_seq_max: int, attention: Attention, layers: int | None = None
+    model: Model,
+    n_ctx: int,
+    n_seq_max: int,
+    attention: Attention,
+    layers: int | None = None,
+    *,
+    unified: bool = False,
 ) -> int | None:
-    """The KV cache a context of ``n_ctx`` cells for ``n_seq_max`` sequences will allocate for
-    ``layers`` of ``model``'s layers (all by default), from the model's hyperparameters, before
-    llama.cpp allocates (and clears) it: a K and a V row of the layer's KV heads per cell. A
-    lower bound (llama.cpp pads the cells; a sliding-window model's layers are all counted at
-    the window). None where the shape is not one this can tell: a recurrent or hybrid model's
-    state, a latent-attention cache, layers sharing their KV, KV heads that vary by layer, an
-    encoder's attention (none kept)."""
+    """The KV cache a context of ``n_ctx`` cells for ``n_seq_max`` sequences (one stream each
+    unless ``unified``) will allocate for ``layers`` of ``model``'s layers (all by default),
+    from the model's hyperparameters, before llama.cpp allocates (and clears) it: a K and a V
+    row of the layer's KV heads per cell, the cells padded as llama.cpp pads them
+    (``padded_cells``). A lower bound for a sliding-window model (its layers all counted at the
+    window). None where the shape is not one this can tell: a recurrent or hybrid model's state,
+    a latent-attention cache, layers sharing their KV, KV heads that vary by layer, an encoder's
+    attention (none kept)."""
     arch = model.meta("general.architecture") or ""
     if model.meta(f"{arch}.attention.causal") == "false":  # an encoder (BERT): llama.cpp keeps no cache
         return None
@@ -161,11 +168,22 @@ def kv_cache_bytes(
         return None
     head_k = _meta_int(model, f"{arch}.attention.key_length") or model.n_embd // max(model.n_head, 1)
     head_v = _meta_int(model, f"{arch}.attention.value_length") or head_k
-    cells = min(n_ctx, model.n_swa * n_seq_max) if model.n_swa > 0 else n_ctx
+    cells = padded_cells(n_ctx, n_seq_max, unified=unified)
+    if model.n_swa > 0:
+        cells = min(cells, model.n_swa * n_seq_max)
     per_cell = lib.ggml_row_size(CACHE_TYPES[attention.type_k], head_k * model.n_head_kv) + lib.ggml_row_size(
         CACHE_TYPES[attention.type_v], head_v * model.n_head_kv
     )
     return int(cells * per_cell * (model.n_layer if layers is None else layers))
+
+
+def padded_cells(n_ctx: int, n_seq_max: int, *, unified: bool = False) -> int:
+    """The cells llama.cpp makes for ``n_ctx`` asked: a multiple of 256, and without a unified
+    cache, each sequence's share a multiple of 256 too (``llama_context``'s constructor)."""
+    cells = -(-n_ctx // 256) * 256
+    if unified:
+        return cells
+    return -(-(cells // n_seq_max) // 256) * 256 * n_seq_max
 
 
 def _meta_int(model: Model, key: str) -> int | None:

@@ -10,18 +10,24 @@ Python, and llama.cpp's load, which runs without the GIL, overlap.
 
 from __future__ import annotations
 
+import signal
+
+from server.serve import held_signals
+
+# From here on a SIGHUP is held for the lifecycle (a hot restart asked while the process still
+# starts), not left to its default action; only the interpreter's own start comes before.
+held_signals.hold(signal.SIGHUP)
+
 import faulthandler
 import gc
 import ipaddress
 import logging
 import os
-import signal
 import socket
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from server.serve import held_signals
 from server.settings import Settings, parse_settings
 
 if TYPE_CHECKING:
@@ -29,7 +35,6 @@ if TYPE_CHECKING:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    held_signals.hold(signal.SIGHUP)  # until the lifecycle listens (a hot restart asked early)
     settings = parse_settings(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(

@@ -137,6 +137,11 @@ def test_llama_servers_embeddings_shape_and_normalisations(
         body = {"content": TEXTS[0], "embd_normalize": norm}
         (scaled,) = httpx.post(url + "/embedding", json=body, timeout=60).json()[0]["embedding"]
         assert size(scaled) == pytest.approx(1.0, abs=1e-4)
+    # a large p: the largest magnitude (no power of a float overflows, none underflows to zero)
+    (high,) = httpx.post(url + "/embedding", json={"content": TEXTS[0], "embd_normalize": 1000}, timeout=60).json()[0][
+        "embedding"
+    ]
+    assert max(abs(v) for v in high) == pytest.approx(1.0, abs=0.01)
     body = {"content": TEXTS[0], "embd_normalize": 0}
     (int16,) = httpx.post(url + "/embedding", json=body, timeout=60).json()[0]["embedding"]
     assert max(abs(v) for v in int16) == pytest.approx(32760, abs=0.5)
@@ -168,10 +173,13 @@ def test_llama_servers_input_shapes(embedding_server: ServerProcess, model: Any)
         ({"content": [1.5]}, "content"),
         ({"content": "x", "embd_normalize": -2}, "embd_normalize"),
         ({"content": "x", "embd_normalize": True}, "embd_normalize"),
+        ({"content": "x", "embd_normalize": 2**31}, "embd_normalize"),
+        ({"content": "x", "embd_normalize": 10**300}, "embd_normalize"),
         ({"content": "x", "encoding_format": "base64"}, "encoding_format"),
         ({"content": ["x"] * 257}, "content"),
     ],
-    ids=["nothing", "empty", "empty-in-list", "unknown-token", "float", "bad-norm", "bool-norm", "base64", "too-many"],
+    ids=["nothing", "empty", "empty-in-list", "unknown-token", "float", "bad-norm", "bool-norm", "huge-norm", "huger-norm",
+         "base64", "too-many"],
 )  # fmt: skip
 def test_llama_servers_bad_inputs_are_400s(embedding_server: ServerProcess, body: dict[str, Any], param: str) -> None:
     response = httpx.post(embedding_server.url + "/embedding", json=body, timeout=60)

@@ -128,17 +128,26 @@ def test_a_cgroup_path_cannot_climb_out_of_its_mount(tmp_path: pathlib.Path) -> 
 # -- the cache's size -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
-def test_the_estimate_is_what_llama_cpp_allocates(model: ffi.Model, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "n_ctx", "n_seq", "unified"),
+    [
+        ("f16", 4096, 4, False),
+        ("q8_0", 4096, 4, False),
+        ("q4_0", 4096, 4, False),
+        ("q8_0", 1000, 3, False),  # each sequence's 333 cells padded to 512: 1.5 times the cells asked
+        ("f32", 777, 7, False),
+        ("f16", 1000, 3, True),  # one stream: the whole padded to 1024
+    ],
+)
+def test_the_estimate_is_what_llama_cpp_allocates(
+    model: ffi.Model, kind: str, n_ctx: int, n_seq: int, unified: bool
+) -> None:
     attention = ffi.Attention(type_k=kind, type_v=kind, flash_attn="on")
-    # 4 sequences of 1024 cells: a multiple of llama.cpp's padding, so the two agree exactly
-    estimate = ffi.kv_cache_bytes(model, 4096, 4, attention)
-    with ffi.Context(model, n_ctx=4096, n_batch=64, n_seq_max=4, kv_unified=False, attention=attention) as ctx:
+    estimate = ffi.kv_cache_bytes(model, n_ctx, n_seq, attention, unified=unified)
+    with ffi.Context(model, n_ctx=n_ctx, n_batch=64, n_seq_max=n_seq, kv_unified=unified, attention=attention) as ctx:
         allocated = ctx.kv_buffers["CPU"]
+        assert ffi.padded_cells(n_ctx, n_seq, unified=unified) == ctx.n_ctx
     assert estimate is not None and abs(estimate - allocated) < 0.01 * MIB, (estimate, allocated)
-    # otherwise it is a lower bound: llama.cpp pads the cells up
-    lower = ffi.kv_cache_bytes(model, 4000, 4, attention)
-    assert lower is not None and lower < allocated
 
 
 def _settings(*extra: str):

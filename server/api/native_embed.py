@@ -21,6 +21,7 @@ from server.engine import EngineError
 from server.state import ServerState
 
 MAX_INPUTS = 256  # as /v1/embeddings
+MAX_NORM = 2**31 - 1  # embd_normalize is a C int in llama-server
 
 
 async def native_embeddings(state: ServerState, body: dict[str, Any], error: type[ApiError]) -> Response:
@@ -37,7 +38,7 @@ async def native_embeddings(state: ServerState, body: dict[str, Any], error: typ
     if param not in body:
         raise error(400, '"input" or "content" must be given', param="input", code="invalid_value")
     norm = body.get("embd_normalize", 2)
-    if isinstance(norm, bool) or not isinstance(norm, int) or norm < -1:
+    if isinstance(norm, bool) or not isinstance(norm, int) or not -1 <= norm <= MAX_NORM:
         message = "embd_normalize: -1 (none), 0 (int16 range), 1 (taxicab), 2 (Euclidean) or a larger p-norm"
         raise error(400, message, param="embd_normalize", code="invalid_value")
     if body.get("encoding_format", "float") != "float":  # llama-server ignores it here: refused, not dropped

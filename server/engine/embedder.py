@@ -157,8 +157,9 @@ def normalized(vector: list[float], norm: int = 2) -> list[float]:
         size = max((abs(v) for v in vector), default=0.0) / 32760.0
     elif norm == 2:
         size = math.sqrt(sum(v * v for v in vector))
-    elif norm > 0:
-        size = sum(abs(v) ** norm for v in vector) ** (1.0 / norm)
+    elif norm > 0:  # scaled by the largest magnitude first: no power overflows, the sum is at least 1
+        largest = max((abs(v) for v in vector), default=0.0)
+        size = largest * sum((abs(v) / largest) ** norm for v in vector) ** (1.0 / norm) if largest > 0 else 0.0
     else:
         raise ValueError(f"no normalisation {norm}")
     return [v / size for v in vector] if size > 0 else [0.0] * len(vector)

@@ -194,6 +194,8 @@ def check_kv_fits(
     attention: ffi.Attention,
     available: Available | None,
     purpose: str = "",
+    *,
+    unified: bool = False,
 ) -> None:
     """Raise ``ffi.ContextError`` when the part of a context's KV cache (``n_ctx`` cells for
     ``n_seq_max`` sequences) that llama.cpp will put in this machine's memory is larger than
@@ -205,11 +207,12 @@ def check_kv_fits(
         # Layers on a GPU or an RPC server keep their cache there; the CPU's count may include
         # the output layer, so one fewer is the least that stays here.
         layers = max(0, placement.layers.get("CPU", 0) - 1)
-    need = ffi.kv_cache_bytes(model, n_ctx, n_seq_max, attention, layers)
+    need = ffi.kv_cache_bytes(model, n_ctx, n_seq_max, attention, layers, unified=unified)
     if need is None or need == 0 or available is None:
         return
     what = f"the KV cache of {os.path.basename(model.path)}" + (f" for {purpose}" if purpose else "")
-    shape = f"{n_ctx} cells x {layers} layers, K {attention.type_k} / V {attention.type_v}"
+    cells = ffi.padded_cells(n_ctx, n_seq_max, unified=unified)
+    shape = f"{cells} cells x {layers} layers, K {attention.type_k} / V {attention.type_v}"
     if need > available.bytes:
         lower = "--batch-size or --parallel" if purpose else "the context size (--ctx-size, or ctx_size in a preset)"
         raise ffi.ContextError(

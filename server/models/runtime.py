@@ -217,7 +217,13 @@ class ModelRuntime:
             self.info = ModelInfo(self.spec.id, self.created, model.name, fingerprint, template, devices)
             if s.embeddings:
                 check_kv_fits(
-                    model, s.batch_size * s.parallel, s.parallel, attention(s), available_memory(), "its embeddings"
+                    model,
+                    s.batch_size * s.parallel,
+                    s.parallel,
+                    attention(s),
+                    available_memory(),
+                    "its embeddings",
+                    unified=True,
                 )
             async with contextlib.AsyncExitStack() as stack:
                 engine = await stack.enter_async_context(
