@@ -343,6 +343,11 @@ def test_logit_bias_ids_and_texts_as_llama_server_reads_them(server: ServerProce
     for key in (digits, f" {digits}", f"+{digits}", f"\t\n 0{digits}"):
         assert pick({key: 100}) == seven, key
     assert pick({f"{digits} ": 100}) in tokenize(server, f"{digits} ", parse_special=False)
+    # A token named twice gets both biases (llama.cpp's sampler adds each entry): 500 + 500 beats
+    # another's 900, which the last entry alone (500) would not.
+    (other,) = tokenize(server, "9", parse_special=False)
+    assert pick([[seven, 500], [seven, 500], [other, 900]]) == seven
+    assert pick([[seven, 500], [other, 900]]) == other
 
 
 def test_refused_and_neutral_fields(server: ServerProcess) -> None:

@@ -118,7 +118,9 @@ def test_logit_bias_forms() -> None:
     assert native_schema.logit_bias([[5000, 1]], vocab) is None  # outside the vocabulary: skipped
     assert native_schema.logit_bias({"9" * 5000: 1}, vocab) is None  # more digits than int() takes: skipped too
     assert native_schema.logit_bias({"0" * 5000 + "7": 1}, vocab) == {"7": 1.0}
-    assert native_schema.logit_bias([["0" * 5000 + "7", 1]], vocab) == {"48": 1.0, "55": 1.0}
+    # text: each of its tokens gets the bias, once per time it occurs (the biases add up)
+    assert native_schema.logit_bias([["0" * 5000 + "7", 1]], vocab) == {"48": 5000.0, "55": 1.0}
+    assert native_schema.logit_bias([[65, 1.5], [65, 2], [66, False], [66, 3]], vocab) == {"65": 3.5, "66": -math.inf}
 
 
 @pytest.mark.parametrize(

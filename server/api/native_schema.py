@@ -353,9 +353,10 @@ _C_SPACE = " \t\n\v\f\r"  # C's isspace() (the "C" locale), which strtol skips f
 
 
 def logit_bias(value: Any, vocab: Tokenizer, *, ignore_eos: bool = False) -> dict[str, float] | None:
-    """llama-server's ``logit_bias`` (a bias of ``false`` bans) as token id -> bias; read as
-    there: in ``[[token, bias], ...]`` an integer is a token id and a string text (digits too),
-    whose tokens all get the bias; in ``{"token": bias}`` a key is a token id when it is a
+    """llama-server's ``logit_bias`` (a bias of ``false`` bans) as token id -> bias, the biases
+    of a token named more than once (or whose text has it twice) added up; read as there: in
+    ``[[token, bias], ...]`` an integer is a token id and a string text (digits too), whose
+    tokens all get the bias; in ``{"token": bias}`` a key is a token id when it is a
     number as C's ``strtol`` reads it (``key_id``), and text otherwise. ``ignore_eos`` bans the
     end-of-generation tokens. Ids outside the vocabulary (a negative one too) are skipped, as
     there."""
@@ -388,8 +389,9 @@ def logit_bias(value: Any, vocab: Tokenizer, *, ignore_eos: bool = False) -> dic
         else:
             raise NativeError("a logit_bias token must be an id or text", f"logit_bias[{i}]")
         for t in tokens:
-            if 0 <= t < vocab.n_tokens:
-                out[str(t)] = float(bias)
+            if 0 <= t < vocab.n_tokens:  # each entry adds to the token's bias (llama.cpp's sampler)
+                total = out.get(str(t), 0.0) + float(bias)
+                out[str(t)] = BAN if math.isnan(total) else total  # a ban beside an infinite bias: banned
     if ignore_eos:
         out.update({str(t): BAN for t in vocab.eog_tokens})
     return out or None
