@@ -204,8 +204,7 @@ class Engine:
                     await self._wakeup.wait()
                     self._wakeup = trio.Event()
                     continue
-                # What the last step produced goes out while this one decodes; then the steps
-                # the thread chains after it (``chain``), each handed out as it comes.
+                # The last step's pieces go out while this one decodes; then each chained step's.
                 self._chain.begin(plan)
                 last = await self._thread.run_posting(
                     chain.run_chain,
