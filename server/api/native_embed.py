@@ -15,6 +15,8 @@ from typing import Any
 from quart import Response
 
 from server.api.errors import ApiError
+from server.api.native_prompt import mixed
+from server.api.native_schema import NativeError
 from server.api.preflight import model_lease, model_name, off_loop, resolve, tokenizing
 from server.api.respond import json_response
 from server.engine import EngineError
@@ -53,17 +55,10 @@ async def native_embeddings(state: ServerState, body: dict[str, Any], error: typ
         def tokenize() -> list[list[int]]:
             out = []
             for where, entry in entries:
-                parts = [entry] if isinstance(entry, str) else entry
-                tokens: list[int] = []
-                for i, part in enumerate(parts):
-                    if isinstance(part, str):
-                        tokens += vocab.tokenize(part, add_special=i == 0, parse_special=True)
-                    elif not 0 <= part < vocab.n_tokens:
-                        raise error(
-                            400, f"{where}: token {part} is not in the vocabulary", param=where, code="invalid_value"
-                        )
-                    else:
-                        tokens.append(part)
+                try:  # as the native family reads ids and text in one sequence
+                    tokens = mixed([entry] if isinstance(entry, str) else entry, vocab, where)
+                except NativeError as exc:
+                    raise error(400, f"{where}: {exc}", param=where, code="invalid_value") from None
                 if not tokens:
                     raise error(400, f"{where}: an input is empty", param=where, code="invalid_value")
                 if len(tokens) > embedder.max_tokens:
