@@ -13,9 +13,11 @@ tokens: 1.07 B parameters, 2.1 GB).
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import gguf
 import numpy as np
@@ -56,29 +58,38 @@ def save_tokenizer(source: pathlib.Path, target: pathlib.Path) -> None:
     merges, token types, special tokens, chat template)."""
     reader = gguf.GGUFReader(str(source))
     writer = gguf.GGUFWriter(str(target), reader.fields["general.architecture"].contents())
-    _copy_tokenizer(reader, writer)
+    _copy_tokenizer(source, writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def _copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> int:
+def _copy_tokenizer(source: pathlib.Path, writer: gguf.GGUFWriter) -> int:
     """Copy the tokenizer keys; the vocabulary's size."""
     n_vocab = 0
-    for key, field in reader.fields.items():
-        if not key.startswith(_TOKENIZER_PREFIX):
-            continue
-        value = field.contents()
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, value, field.types[0], field.types[-1])
-        else:
-            writer.add_key_value(key, value, field.types[0])
+    for key, value, types in _tokenizer_fields(source.resolve()):
+        writer.add_key_value(key, value, *types)
         if key == "tokenizer.ggml.tokens":
             n_vocab = len(value)
     if not n_vocab:
         raise ValueError("no tokenizer.ggml.tokens in the tokenizer file")
     return n_vocab
+
+
+@functools.cache
+def _tokenizer_fields(path: pathlib.Path) -> tuple[tuple[str, Any, tuple[gguf.GGUFValueType, ...]], ...]:
+    """The tokenizer keys of the GGUF at ``path``: name, value, and its type (an array's element
+    type after it). Read once per process: gguf's reader takes seconds over 49,152 tokens, and
+    the tests write several models."""
+    reader = gguf.GGUFReader(str(path))
+    fields = []
+    for key, field in reader.fields.items():
+        if key.startswith(_TOKENIZER_PREFIX):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            types = (field.types[0], field.types[-1]) if array else (field.types[0],)
+            fields.append((key, field.contents(), types))
+    return tuple(fields)
 
 
 def _weights(rng: np.random.Generator, rows: int, cols: int, std: float) -> np.ndarray:
@@ -96,9 +107,8 @@ def write_model(
     """A random-weight f16 llama model of ``shape`` with ``tokenizer``'s vocabulary at ``target``;
     its parameter count. ``fim``: the ids its metadata names as fill-in-the-middle prefix,
     suffix and middle tokens (the default model has none)."""
-    reader = gguf.GGUFReader(str(tokenizer))
     writer = gguf.GGUFWriter(str(target), "llama")
-    n_vocab = _copy_tokenizer(reader, writer)
+    n_vocab = _copy_tokenizer(tokenizer, writer)
     head = shape.n_embd // shape.n_head
     writer.add_name(f"random llama {shape.n_embd}x{shape.n_layer}")
     writer.add_context_length(shape.n_ctx)

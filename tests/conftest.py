@@ -13,7 +13,7 @@ from tests.support import needs
 
 # The shared fixtures that need something a marker names: a test that uses one (directly or
 # through other fixtures) gets the marker.
-FIXTURE_MARKERS = {"model_path": "model", "model": "model", "server": "server"}
+FIXTURE_MARKERS = {"model_path": "model", "model": "model", "tiny_model_path": "model", "server": "server"}
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +29,18 @@ def model(model_path: pathlib.Path):
     m = ffi.Model(model_path)
     yield m
     m.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(model_path: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A random-weight llama, 64 wide and 2 layers, with the default model's tokenizer and chat
+    template (``bench/random_model.py``): for tests whose prompts are long and whose answers'
+    words do not matter (its prefill is about 100x the default model's)."""
+    from bench.random_model import SHAPES, write_model
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_model(model_path, path, SHAPES["tiny"], seed=0)
+    return path
 
 
 @pytest.fixture(scope="module")

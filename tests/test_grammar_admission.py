@@ -5,6 +5,7 @@ between API keys (seen in the compile and cache-hit counters, not in timing)."""
 
 from __future__ import annotations
 
+import pathlib
 import signal
 import socket
 import statistics
@@ -147,13 +148,16 @@ def test_compiled_grammars_are_not_shared_across_api_keys(server: ServerProcess)
     assert ask(ALICE) == (0, 1)
 
 
-def test_tool_parameters_just_within_the_depth_bound_work(server: ServerProcess) -> None:
+def test_tool_parameters_just_within_the_depth_bound_work(tiny_model_path: pathlib.Path) -> None:
     # The tools' answer schema holds a tool's parameters 5 schemas down; with an $id their own
-    # "#/$defs/..." resolve there. A chain of $ref: the fewest tokens for its depth.
+    # "#/$defs/..." resolve there. A chain of $ref: the fewest tokens for its depth. The tools'
+    # instruction quotes it (2,400 tokens: 25 s of prefill on the default model, so the tiny one).
     deep = {"$id": "urn:deep", **ref_chain(limits.MAX_SCHEMA_DEPTH - 5 - 2)}
     tools = [{"type": "function", "function": {"name": "deep", "parameters": deep}}]
-    response = post(server, {"tools": tools, "tool_choice": "required", "max_tokens": 8})
+    with serving(["--model", str(tiny_model_path), "--parallel", "1", "--ctx-size", "4096"]) as proc:
+        response = post(proc, {"tools": tools, "tool_choice": "required", "max_tokens": 8})
     assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] > 2000  # the schema reached the prompt
 
 
 def test_a_full_compile_queue_is_a_503_overloaded() -> None:

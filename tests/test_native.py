@@ -549,10 +549,18 @@ def write_fim_model(model: ffi.Model, model_path: pathlib.Path, target: pathlib.
     write_model(model_path, target, SHAPES["tiny"], seed=4, fim=(pre, suf, mid))
 
 
-def test_infill_on_a_model_with_fim_tokens(tmp_path: pathlib.Path, model_path: pathlib.Path, model: ffi.Model) -> None:
+@pytest.fixture(scope="module")
+def fim_server(tmp_path_factory: pytest.TempPathFactory, model_path: pathlib.Path, model: ffi.Model):
+    target = tmp_path_factory.mktemp("fim") / "fim.gguf"
+    write_fim_model(model, model_path, target)
+    with serving(["--model", str(target), "--parallel", "1", "--ctx-size", "2048", "--batch-size", "256"]) as proc:
+        yield proc
+
+
+def test_infill_on_a_model_with_fim_tokens(fim_server: ServerProcess) -> None:
     """Found by review: /infill's own fields reached /completion's check of its fields, so on a
     model with FIM tokens every request was a 400 ('input_prefix' is not supported)."""
-    write_fim_model(model, model_path, tmp_path / "fim.gguf")
+    server = fim_server
     body = {
         "input_prefix": "def f():\n",
         "input_suffix": "\n",
@@ -561,42 +569,35 @@ def test_infill_on_a_model_with_fim_tokens(tmp_path: pathlib.Path, model_path: p
         "ignore_eos": True,
     }
     extra = {"input_extra": [{"filename": "util.py", "text": "X = 1\n"}]}
-    with serving(
-        ["--model", str(tmp_path / "fim.gguf"), "--parallel", "1", "--ctx-size", "2048", "--batch-size", "256"]
-    ) as server:
-        whole = post(server, "/infill", {**body, **extra}).json()
-        assert whole["tokens_predicted"] == 3 and isinstance(whole["content"], str)
-        # The prompt is the FIM layout of the given texts: the extra file, then prefix and
-        # prompt, suffix, and the middle token where the answer goes.
-        prompt = whole["prompt"]
-        marks = ["X = 1", "<filename>def f():\n    return", "<gh_stars>\n", "<issue_start>"]
-        assert [prompt.find(m) for m in marks] == sorted(prompt.find(m) for m in marks) and prompt.find(marks[0]) >= 0
-        assert prompt.endswith("<issue_start>") and all(m in prompt for m in marks)
-        for request in (body, {**body, "stream": True}):
-            answer = post(server, "/infill", request)
-            assert answer.status_code == 200, answer.text
-        native_error(post(server, "/infill", {**body, "input_prefix": 5}), 400)
-        native_error(post(server, "/infill", {**body, "mirostat": 2}), 400)  # still /completion's check
-        assert server.metrics()["llama_trio_active_sequences"] == 0
+    whole = post(server, "/infill", {**body, **extra}).json()
+    assert whole["tokens_predicted"] == 3 and isinstance(whole["content"], str)
+    # The prompt is the FIM layout of the given texts: the extra file, then prefix and prompt,
+    # suffix, and the middle token where the answer goes.
+    prompt = whole["prompt"]
+    marks = ["X = 1", "<filename>def f():\n    return", "<gh_stars>\n", "<issue_start>"]
+    assert [prompt.find(m) for m in marks] == sorted(prompt.find(m) for m in marks) and prompt.find(marks[0]) >= 0
+    assert prompt.endswith("<issue_start>") and all(m in prompt for m in marks)
+    for request in (body, {**body, "stream": True}):
+        answer = post(server, "/infill", request)
+        assert answer.status_code == 200, answer.text
+    native_error(post(server, "/infill", {**body, "input_prefix": 5}), 400)
+    native_error(post(server, "/infill", {**body, "mirostat": 2}), 400)  # still /completion's check
+    assert server.metrics()["llama_trio_active_sequences"] == 0
 
 
-def test_infill_texts_are_tokenized_off_the_event_loop(
-    tmp_path: pathlib.Path, model_path: pathlib.Path, model: ffi.Model
-) -> None:
+def test_infill_texts_are_tokenized_off_the_event_loop(fim_server: ServerProcess) -> None:
     """Found by review: /infill's input_suffix and input_extra (3.9 MB of either) were tokenized
     on the event loop, /health waiting seconds: the estimate counted the prefix and prompt only."""
-    write_fim_model(model, model_path, tmp_path / "fim.gguf")
     body = {"input_prefix": "def f():\n", "prompt": "    return", "n_predict": 1}
     big = [
         {"input_suffix": "word " * 780_000},
         {"input_suffix": "\n", "input_extra": [{"filename": "f.py", "text": "word " * 2600}] * 300},
         {"input_suffix": "\n", "input_extra": [{"text": "w"}] * 20_000},  # many small files
     ]
-    with serving(["--model", str(tmp_path / "fim.gguf"), "--parallel", "1", "--ctx-size", "2048"]) as server:
-        for fields in big:
-            response, latencies = health_while(server, "/infill", {**body, **fields})
-            assert response.status_code == 200, response.text
-            assert max(latencies) < 1.0, (list(fields), sorted(latencies)[-5:])
+    for fields in big:
+        response, latencies = health_while(fim_server, "/infill", {**body, **fields})
+        assert response.status_code == 200, response.text
+        assert max(latencies) < 1.0, (list(fields), sorted(latencies)[-5:])
 
 
 def test_slot_actions_without_a_folder(server: ServerProcess) -> None:
@@ -856,13 +857,12 @@ def test_slot_file_names_are_each_tenants_own(tmp_path: pathlib.Path) -> None:
         assert (tmp_path / "old.bin").read_bytes() == hers.read_bytes()
 
 
-def test_native_routes_name_their_model(tmp_path: pathlib.Path, model_path: pathlib.Path) -> None:
+def test_native_routes_name_their_model(model_path: pathlib.Path, tiny_model_path: pathlib.Path) -> None:
     """With several models, a body's ``model`` (or ``?model=`` on GET) picks the one a native
     route uses, loaded on demand as on the OpenAI routes; an unknown one is a 404 in llama-server's
     shape, and a non-string one a 400."""
-    write_model(model_path, tmp_path / "tiny.gguf", SHAPES["tiny"], seed=3)
     args = ["--parallel", "2", "--ctx-size", "1024", "--threads", "2", "--cache-ram", "0"]
-    with serving([*args, "--model", f"smol={model_path}", "--model", f"tiny={tmp_path / 'tiny.gguf'}"]) as server:
+    with serving([*args, "--model", f"smol={model_path}", "--model", f"tiny={tiny_model_path}"]) as server:
         answer = post(server, "/completion", {"model": "tiny", "prompt": PROMPT, "n_predict": 4, "ignore_eos": True})
         assert answer.status_code == 200, answer.text
         assert answer.json()["model"] == "tiny" and answer.json()["tokens_predicted"] == 4
