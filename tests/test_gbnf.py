@@ -78,6 +78,12 @@ FORMS: dict[str, tuple[str, list[str], list[str]]] = {
     "raw-controls-in-literals": ('root ::= "a\tb\x01"', ["a\tb\x01"], ["ab\x01"]),
     "class-syntax": (r"root ::= [&&] [~~] [a^] [a\-z] [/[]", ["&~^-/", "&~a-["], ["a~^-/", "&~^b/"]),
     "class-dashes": ("root ::= [a-z-0] [--0] [!--]", ["--,", "q/!", "00-"], ["A-!", "-1!", "--."]),
+    # Tokens: here token i is byte i, so <[97]> is "a" as a token, !<[97]> any token but it.
+    "token-id": ('root ::= <[97]> "b"', ["ab"], ["bb", "a", "abb"]),
+    # A run of !<...> ended by a token, as in llama.cpp's own example (see gbnf.py on text after one).
+    "not-a-token": ('root ::= "x" !<[97]>* <[97]> "."', ["xa.", "xbca."], ["xbc.", "xaa.", "a."]),
+    "token-in-a-rule": ('root ::= tok{2} "."\ntok ::= <[97]> | "b"', ["aa.", "ab.", "bb."], ["a.", "ac."]),
+    "token-in-a-group": ('root ::= (<[97]> [0-9])* "!"', ["!", "a1a2!"], ["a!", "1!"]),
     "class-empty": ('root ::= ([z-a] | "b") [^z-a] "x" [] "y"', ["b\nxy", "bzxy"], ["zzxy", "bx y"]),
     "a-bound-past-2000-is-none": ('root ::= "a"{1,5000}', ["a" * 5001], [""]),
     "rule-names": (
@@ -114,9 +120,26 @@ def test_gbnf_llama_cpp_refuses_is_refused() -> None:
         (r'root ::= "\ud800"', "not a Unicode character"),
         (r'root ::= "\q"', "Invalid escape"),
         (r'root ::= "\u12"', r"Invalid \\u escape"),
+        ('root ::= !"a"', "expected '<'"),
+        ("root ::= <[12", "expected ']>'"),
+        ("root ::= <[4294967296]>", "too big"),
+        ("root ::= <abc", "expected '>'"),
+        ("root ::= <end>", "no vocabulary"),  # a token by its text needs the model's
     ):
         with pytest.raises(GbnfError, match=needle):
             to_lark(gbnf)
+
+
+def test_tokens_by_their_text_are_the_vocabularys() -> None:
+    def token_id(text: str) -> int | None:
+        return {"<end>": 256, "<a>": 97}.get(text)
+
+    assert to_lark("root ::= <a> !<end>* <end>", token_id) == "%llguidance {}\n\nstart: <[97]> <[^256]>* <[256]>\n"
+    with pytest.raises(GbnfError, match="'<b>' is not one token"):
+        to_lark("root ::= <b>", token_id)
+    # Through the cache, with the matcher's own vocabulary (one token per byte): "<ab>" is four.
+    with pytest.raises(GrammarError, match="not one token"):
+        GrammarCache(BYTES).build("gbnf", "root ::= <ab>")
 
 
 def test_lark_refusals_of_translated_gbnf_do_not_quote_the_lark() -> None:

@@ -213,6 +213,21 @@ def test_json_object_completion_and_llama_server_fields(server: ServerProcess) -
     assert text["choices"][0]["message"]["content"] and text["choices"][0]["finish_reason"] == "length"
 
 
+def test_gbnf_tokens_by_id_by_text_and_negated(server: ServerProcess) -> None:
+    # llama.cpp's token syntax: <[id]>, <text> (one token of the vocabulary, control tokens too)
+    # and !<...> (any token but it); it was refused.
+    (sky,) = httpx.post(server.url + "/tokenize", json={"content": " sky"}, timeout=30).json()["tokens"]
+    grammar = f'root ::= <[{sky}]> " is" !<[{sky}]>{{2}} <|im_end|>'
+    body = {"prompt": "The", "grammar": grammar, "max_tokens": 10, "logprobs": 1}
+    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    tokens = answer["logprobs"]["tokens"]
+    # The end token after two more: "stop" well before max_tokens, whatever was sampled.
+    assert answer["text"].startswith(" sky is") and answer["finish_reason"] == "stop", answer
+    assert tokens[0] == " sky" and " sky" not in tokens[1:] and len(tokens) <= 6, tokens
+    refused = httpx.post(server.url + "/v1/completions", json={**body, "grammar": "root ::= <sky is>"}, timeout=60)
+    assert refused.status_code == 400 and "not one token" in refused.json()["error"]["message"]
+
+
 def test_json_object_with_llama_servers_schema_follows_it(server: ServerProcess) -> None:
     # llama-server's form: the object's own schema beside type json_object (before: ignored).
     schema = {"type": "object", "properties": {"answer": {"const": "42"}}, "required": ["answer"]}

@@ -26,6 +26,13 @@ reference); this module reads and writes those as llama.cpp means them:
 - rule names: one that is no Lark name (``2x``) gets a prefix, and one that meets another once
   written for Lark (``aB`` and ``a-b``, or a rule named ``start``) a number.
 - llguidance's messages about the Lark made here quote it; ``lark_error`` leaves that out.
+- tokens (llama.cpp's ``<[id]>``, ``<text>`` for the one token ``text`` is, ``!`` before either
+  for any token but it), which llguidance's reader does not know, are llguidance's ``<[id]>``
+  and ``<[^id]>``; ``<text>`` needs the model's vocabulary (``token_id``). A rule that holds a
+  token is never a terminal (Lark's lexemes are text). One difference stays: llguidance reads a
+  token that a token item can take as that item only, never as text, so after a repeated
+  ``!<...>`` text cannot follow (``"x" !<[13]>* "."`` never ends: each "." is taken by the
+  run); end such a run with a token, as llama.cpp's own example does (``!</think>* </think>``).
 
 A text that already reads as Lark (``%llguidance`` or a ``start:`` rule, not GBNF's ``start ::=``)
 is left as it is, as llguidance's own conversion does.
@@ -34,6 +41,7 @@ is left as it is, as llguidance's own conversion does.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from llguidance import gbnf_to_lark as _gbnf
 
@@ -49,18 +57,21 @@ _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 _IN_LITERAL = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 # In a class of Lark's regexes (Rust's regex syntax): escaped, or read as syntax ([, &&, ~~, --, ^).
 _CLASS_SYNTAX = set("\\[]/&~^")
+_MOST_TOKEN_ID = 0xFFFFFFFF  # llama.cpp reads a token id as a uint32
 
 
 class GbnfError(ValueError):
     """The text is not a GBNF grammar llguidance can take; the message says why."""
 
 
-def to_lark(text: str) -> str:
-    """``text`` (GBNF, or Lark as it is) as a Lark grammar for llguidance. Raises ``GbnfError``."""
+def to_lark(text: str, token_id: Callable[[str], int | None] | None = None) -> str:
+    """``text`` (GBNF, or Lark as it is) as a Lark grammar for llguidance. ``token_id``: the one
+    token a text is in the model's vocabulary, control tokens read as such (None where it is
+    not exactly one), for ``<text>``; without it ``<text>`` is refused. Raises ``GbnfError``."""
     if _LARK.search(text):
         return text
     try:
-        rules = _Parser().parse(text)
+        rules = _Parser(token_id).parse(text)
     except _gbnf.GbnfToLarkError as exc:
         raise GbnfError(f"cannot read the GBNF grammar: {exc}") from None
     if "root" not in rules:
@@ -93,16 +104,66 @@ _PLACE = re.compile(r"(^|\b(at|in) )\d+\(\d+\):? ?")
 class _Parser(_gbnf.GrammarParser):
     """llguidance's GBNF parser, reading literals, classes and quantifiers as llama.cpp does."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_id: Callable[[str], int | None] | None) -> None:
         super().__init__()
         self._nested = False  # inside a group: the sequence being read may span lines
+        self._token_id = token_id
 
     def _parse_sequence(self, pos: _gbnf.Position, is_nested: bool) -> tuple[_gbnf.SequenceNode, _gbnf.Position]:
+        """One alternative: its items up to ``|``, ``)`` or (outside a group) the line's end."""
         outer, self._nested = self._nested, is_nested
+        items: list[_gbnf.ASTNode] = []
         try:
-            return super()._parse_sequence(pos, is_nested)
+            while (c := pos.current()) and c not in "|)" and (is_nested or c not in "\r\n"):
+                item: _gbnf.ASTNode
+                if c == '"':
+                    item, pos = self._parse_literal(pos)
+                elif c == "[":
+                    item, pos = self._parse_char_class(pos)
+                elif c == "(":
+                    item, pos = self._parse_group(pos, is_nested=is_nested)
+                elif c == ".":
+                    item, pos = _gbnf.RegexNode("."), pos.advance()
+                elif c in "<!":
+                    item, pos = self._parse_token(pos)
+                elif self._is_word_char(c):
+                    name, pos = self._parse_name(pos)
+                    item = _gbnf.RuleRefNode(name)
+                else:
+                    break
+                items.append(item)
+                pos = self._skip_space(pos, allow_newlines=is_nested)
+                pos = self._parse_repetition(pos, items)
+                pos = self._skip_space(pos, allow_newlines=is_nested)
         finally:
             self._nested = outer
+        return _gbnf.SequenceNode(items), pos
+
+    def _parse_token(self, pos: _gbnf.Position) -> tuple[_gbnf.ASTNode, _gbnf.Position]:
+        """``<[id]>`` or ``<text>`` (what ``text`` tokenizes to, control tokens read, must be one
+        token), either after ``!`` (any token but it), as llama.cpp's ``parse_token`` reads it."""
+        negated = pos.current() == "!"
+        if negated:
+            pos = pos.advance()
+        if pos.current() != "<":
+            raise _gbnf.GbnfToLarkError(pos, "expected '<' (a token) after '!'")
+        if pos.peek(2) == "<[":
+            number, after = self._parse_int(pos.advance(2))
+            if after.peek(2) != "]>":
+                raise _gbnf.GbnfToLarkError(after, "expected ']>' to end the token id")
+            if number > _MOST_TOKEN_ID:
+                raise _gbnf.GbnfToLarkError(pos, f"the token id {number} is too big")
+            return _Token(number, negated), after.advance(2)
+        end = pos.text.find(">", pos.pos)
+        if end < 0:
+            raise _gbnf.GbnfToLarkError(pos, "expected '>' to end the token")
+        written = pos.text[pos.pos : end + 1]
+        if self._token_id is None:
+            raise _gbnf.GbnfToLarkError(pos, f"no vocabulary to read the token {written!r} with")
+        token = self._token_id(written)
+        if token is None:
+            raise _gbnf.GbnfToLarkError(pos, f"{written!r} is not one token of the model's vocabulary")
+        return _Token(token, negated), _gbnf.Position(pos.text, end + 1)
 
     def _parse_repetition(self, pos: _gbnf.Position, nodes: list[_gbnf.ASTNode]) -> _gbnf.Position:
         """Each quantifier in a row applies to all before it: ``"a"+*`` is ``("a"+)*``."""
@@ -191,6 +252,20 @@ def _in_class(char: str, written: str, escape_dash: bool) -> str:
     return char
 
 
+class _Token(_gbnf.ASTNode):
+    """One token of the vocabulary by id, or (``negated``) any token but it."""
+
+    def __init__(self, token: int, negated: bool) -> None:
+        self.token = token
+        self.negated = negated
+
+    def __str__(self) -> str:
+        return f"<[{'^' * self.negated}{self.token}]>"
+
+    def is_terminal(self) -> bool:
+        return False
+
+
 class _Group(_gbnf.ASTNode):
     """A group llguidance's ``simplify`` would drop: written in parentheses under a quantifier."""
 
@@ -240,7 +315,9 @@ def _link(rules: dict[str, _gbnf.RuleNode]) -> dict[str, set[str]]:
         while pending:
             node = pending.pop()
             _mend_children(node)
-            if isinstance(node, _gbnf.RuleRefNode):
+            if isinstance(node, _Token):
+                rule.holds_token = True  # type: ignore[attr-defined]
+            elif isinstance(node, _gbnf.RuleRefNode):
                 target = rules.get(node.name)
                 if target is None:
                     raise GbnfError(f"the GBNF grammar refers to a rule '{node.name}' it does not define")
@@ -252,9 +329,10 @@ def _link(rules: dict[str, _gbnf.RuleNode]) -> dict[str, set[str]]:
 
 
 def _mark_terminals(rules: dict[str, _gbnf.RuleNode], refers: dict[str, set[str]]) -> None:
-    """Mark the rules that refer only to terminals (root never is one): a rule becomes one when
-    the last rule it waits for does."""
-    waiting = {name: len(names) for name, names in refers.items()}
+    """Mark the rules that refer only to terminals (root never is one, nor one that holds a
+    token): a rule becomes one when the last rule it waits for does."""
+    # A rule that holds a token waits for one more, which never comes.
+    waiting = {name: len(names) + getattr(rules[name], "holds_token", False) for name, names in refers.items()}
     users: dict[str, list[str]] = {name: [] for name in rules}
     for name, names in refers.items():
         for target in names:

@@ -152,6 +152,11 @@ class GrammarCache:
             while len(self._grammars) > self._size:
                 self._grammars.popitem(last=False)
 
+    def _one_token(self, text: str) -> int | None:
+        """The one token ``text`` is (control tokens read as such), or None."""
+        tokens = self._tokenizer.tokenize_str(text, parse_special=True)
+        return tokens[0] if len(tokens) == 1 else None
+
     def build(self, kind: GrammarKind, source: str) -> Grammar:
         """Blocking: the grammar for ``source`` (a JSON Schema as JSON text, a Lark grammar, or
         a GBNF grammar), checked against ``grammar_limits`` first, and its first steps taken on
@@ -172,7 +177,7 @@ class GrammarCache:
             else:
                 if kind == "gbnf":
                     check_gbnf(source)
-                    lark = gbnf.to_lark(source)
+                    lark = gbnf.to_lark(source, self._one_token)
                     translated, source = lark is not source, lark
                 check_lark(source)
                 text = llguidance.LLMatcher.grammar_from_lark(source)
