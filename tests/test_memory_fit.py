@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 import ffi
-from server.models.memory import Available, available_memory, check_kv_fits, prompt_cache_bound
+from server.models.memory import Available, available_memory, check_kv_fits, make_context, prompt_cache_bound
 from server.settings import parse_settings
 from tests.support.process import ServerProcess
 
@@ -188,8 +188,33 @@ def test_the_prompt_cache_keeps_to_half_of_what_is_left(model: ffi.Model, caplog
     assert caplog.text == ""
     with caplog.at_level(logging.WARNING, "llama_trio.models"):
         assert prompt_cache_bound(model, settings, Available(1000 * MIB, "the pod's limit")) == 500 * MIB
-    assert "--cache-ram 2048 MiB is more than half of the 1000 MiB that the pod's limit leaves" in caplog.text
+    assert "--cache-ram 2048 MiB is more than half of the 1000 MiB that the pod's limit leave" in caplog.text
     assert prompt_cache_bound(model, _settings("--cache-ram", "0"), Available(0, "x")) == 0
+    # Several models: what the others' caches may still grow into is not there to take.
+    assert prompt_cache_bound(model, settings, Available(5000 * MIB, "x"), promised=2048 * MIB) == 1476 * MIB
+    assert prompt_cache_bound(model, settings, Available(1000 * MIB, "x"), promised=2048 * MIB) == 0
+    assert "and the other models' prompt caches (2048 MiB)" in caplog.text
+
+
+def test_prompt_cache_bounds_of_open_contexts_add_up(model: ffi.Model) -> None:
+    # The second context's cache is bounded by what is left less the first one's bound, and a
+    # closed context's bound is given back.
+    left = available_memory()
+    assert left is not None
+    half = left.bytes // 2 // MIB + 1  # a first bound of about half of what is left
+    first, first_bound = make_context(model, _settings("--cache-ram", str(half), "--ctx-size", "256"), ffi.Attention())
+    try:
+        second, second_bound = make_context(
+            model, _settings("--ctx-size", "256", "--cache-ram", str(half)), ffi.Attention()
+        )
+        second.close()
+        assert first_bound > 0 and first_bound + second_bound < available_memory().bytes  # type: ignore[union-attr]
+        assert second_bound < first_bound
+    finally:
+        first.close()
+    third, third_bound = make_context(model, _settings("--ctx-size", "256", "--cache-ram", "1"), ffi.Attention())
+    third.close()
+    assert third_bound == MIB
 
 
 @pytest.mark.server

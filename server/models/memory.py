@@ -144,6 +144,14 @@ def _v1_room(base: str, path: str) -> Available | None:
 
 # One context made at a time: each check sees what the contexts made before it took.
 _CONTEXTS = threading.Lock()
+# The prompt-cache bounds given to the contexts still open (under ``_CONTEXTS``): what each
+# model's saved prefixes may still grow into, which the memory left does not show yet.
+_PROMISED: list[tuple[ffi.Context, int]] = []
+
+
+def _promised() -> int:
+    _PROMISED[:] = [(context, bound) for context, bound in _PROMISED if not context.closed]
+    return sum(bound for _, bound in _PROMISED)
 
 
 def make_context(model: ffi.Model, settings: Settings, attention: ffi.Attention) -> tuple[ffi.Context, int]:
@@ -162,26 +170,34 @@ def make_context(model: ffi.Model, settings: Settings, attention: ffi.Attention)
             attention=attention,
         )
         try:
-            return context, prompt_cache_bound(model, settings, available_memory())
+            bound = prompt_cache_bound(model, settings, available_memory(), _promised())
         except BaseException:
             context.close()
             raise
+        _PROMISED.append((context, bound))
+        return context, bound
 
 
-def prompt_cache_bound(model: ffi.Model, settings: Settings, left: Available | None) -> int:
-    """``--cache-ram`` in bytes, but at most half of the memory ``left`` once the context is made:
-    the saved prefixes grow into their bound as conversations come, long after the start, and
-    a bound larger than the memory there is would end in the OOM killer. Logged when lowered."""
+def prompt_cache_bound(model: ffi.Model, settings: Settings, left: Available | None, promised: int = 0) -> int:
+    """``--cache-ram`` in bytes, but at most half of the memory ``left`` once the context is made,
+    less what the other open models' prompt caches were ``promised``: the saved prefixes grow
+    into their bounds as conversations come, long after the load, and bounds that add up to
+    more than the memory there is would end in the OOM killer. Logged when lowered."""
     asked = settings.cache_ram * _MIB
-    if left is None or asked <= left.bytes // 2:
+    if left is None:
         return asked
-    bound = left.bytes // 2
+    room = max(0, left.bytes - promised)
+    if asked <= room // 2:
+        return asked
+    bound = room // 2
+    others = f" and the other models' prompt caches ({promised // _MIB} MiB)" if promised else ""
     logger.warning(
-        "%s: --cache-ram %d MiB is more than half of the %d MiB that %s leaves: its prompt cache keeps at most %d MiB",
+        "%s: --cache-ram %d MiB is more than half of the %d MiB that %s%s leave: its prompt cache keeps at most %d MiB",
         os.path.basename(model.path),
         settings.cache_ram,
-        left.bytes // _MIB,
+        room // _MIB,
         left.source,
+        others,
         bound // _MIB,
     )
     return bound
