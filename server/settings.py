@@ -390,6 +390,9 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
 # llama.cpp's bound on the sequences of one context (LLAMA_MAX_SEQ; the binding's
 # llama_max_parallel_sequences, which a test compares).
 MAX_PARALLEL = 256
+# ggml's bound on a computation's threads (GGML_MAX_N_THREADS); past it OpenMP's thread
+# creation fails and the process ends at the model's first step.
+MAX_THREADS = 512
 
 
 def model_settings_error(s: Settings) -> tuple[str, str] | None:
@@ -401,10 +404,10 @@ def model_settings_error(s: Settings) -> tuple[str, str] | None:
         return "ctx_size", f"must be 0 (the model's own) or at least parallel ({s.parallel}): a cell per sequence"
     if s.batch_size < 1:
         return "batch_size", "must be at least 1"
-    if s.threads < 1:
-        return "threads", "must be at least 1"
-    if s.max_queue < 0:
-        return "max_queue", "must be 0 or more"
+    if not 1 <= s.threads <= MAX_THREADS:
+        return "threads", f"must be between 1 and {MAX_THREADS} (llama.cpp's most)"
+    if s.max_queue < 1:
+        return "max_queue", "must be at least 1 (a request waits in the queue before its first step)"
     if s.pooling not in {None, "mean", "cls", "last"}:
         return "pooling", "must be mean, cls or last"
     return None

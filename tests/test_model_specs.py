@@ -68,7 +68,10 @@ def test_ini_presets_are_typed(tmp_path: pathlib.Path) -> None:
         ("[m]\nparallel = 0\n", r"\[m\]: parallel must be between 1 and 256"),
         ("[m]\nparallel = 8\nctx_size = 4\n", "ctx_size must be"),
         ("[m]\nbatch_size = -5\n", "batch_size must be at least 1"),
-        ("[m]\nthreads = 0\n", "threads must be at least 1"),
+        ("[m]\nthreads = 0\n", "threads must be between 1 and 512"),
+        ("[m]\nthreads = 99999\n", "threads must be between 1 and 512"),  # OpenMP failed: a crash
+        ("[m]\nmax_queue = 0\n", "max_queue must be at least 1"),  # every request was a 503
+        ("[ ]\nmodel = {model}\n", "a model id must not be empty"),
         ("[m]\npooling = sum\n", "pooling must be mean, cls or last"),
     ],
 )
@@ -78,6 +81,25 @@ def test_bad_presets_say_why(tmp_path: pathlib.Path, preset: str, says: str) -> 
     file.write_text(preset.format(model=model))
     with pytest.raises(ModelSpecError, match=says):
         model_specs(parse_settings(["--model", f"m={model}", "--models-preset", str(file)], env={}))
+
+
+@pytest.mark.parametrize("value", ["5", "{x = 1}", '["a", 2]', '[""]', "true"])
+def test_toml_names_must_be_strings(tmp_path: pathlib.Path, value: str) -> None:
+    # An integer was a TypeError and a traceback at start; a table's keys became aliases.
+    model = touch(tmp_path / "m.gguf")
+    for key in ("aliases", "tags"):
+        file = tmp_path / "p.toml"
+        file.write_text(f'[m]\nmodel = "{model}"\n{key} = {value}\n')
+        with pytest.raises(ModelSpecError, match=f"{key} must be names"):
+            model_specs(parse_settings(["--models-preset", str(file)], env={}))
+
+
+def test_alias_and_tags_name_no_model_of_several(tmp_path: pathlib.Path) -> None:
+    # They were dropped without a word, and the alias was a 404.
+    model = touch(tmp_path / "m.gguf")
+    for flag in ("--alias", "--tags"):
+        with pytest.raises(ModelSpecError, match=f"{flag} names the one model of a single-model command line"):
+            model_specs(parse_settings(["--model", f"a={model}", "--model", f"b={model}", flag, "x"], env={}))
 
 
 def test_duplicate_ids_and_an_empty_folder(tmp_path: pathlib.Path) -> None:
@@ -136,8 +158,10 @@ def test_alias_list_and_tags_as_llama_server() -> None:
         (["--parallel", "0"], "--parallel must be between 1 and 256"),
         (["--parallel", "257"], "--parallel must be between 1 and 256"),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
-        (["--threads", "-2"], "--threads must be at least 1"),
-        (["--max-queue", "-1"], "--max-queue must be 0 or more"),
+        (["--threads", "-2"], "--threads must be between 1 and 512"),
+        (["--threads", "513"], "--threads must be between 1 and 512"),
+        (["--max-queue", "-1"], "--max-queue must be at least 1"),
+        (["--max-queue", "0"], "--max-queue must be at least 1"),
     ],
 )
 def test_a_model_shape_llama_cpp_cannot_make_is_refused(

@@ -86,6 +86,12 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         if len(listed) > 1:  # llama-server's list: the id is the first in order, every one an alias
             return [ModelSpec(listed[0], path, settings, listed, load_on_start=True, tags=tags)]
         return [ModelSpec(settings.alias or os.path.basename(path), path, settings, load_on_start=True, tags=tags)]
+    for flag, value in (("--alias", settings.alias), ("--tags", settings.tags)):
+        if value:  # it would name no model in particular
+            raise ModelSpecError(
+                f"{flag} names the one model of a single-model command line; with several, give each its "
+                "names in --models-preset (aliases, tags) or its id in --model ID=PATH"
+            )
     paths: dict[str, str] = {}
     for entry in settings.model:
         id_, sep, path = entry.partition("=")
@@ -161,6 +167,8 @@ def _read_presets(file: str) -> dict[str, dict[str, Any]]:
 
 def _spec(id_: str, path: str | None, preset: dict[str, Any], settings: Settings) -> ModelSpec:
     where = f"--models-preset [{id_}]"
+    if not id_.strip():
+        raise ModelSpecError(f"{where}: a model id must not be empty")
     unknown = set(preset) - PER_MODEL_SETTINGS - _SPEC_KEYS
     if unknown:
         allowed = ", ".join(sorted(PER_MODEL_SETTINGS | _SPEC_KEYS))
@@ -174,9 +182,9 @@ def _spec(id_: str, path: str | None, preset: dict[str, Any], settings: Settings
         value = preset.get(key, ())
         if isinstance(value, str):
             value = tuple(a.strip() for a in value.split(",") if a.strip())
-        if not all(isinstance(a, str) and a for a in value):
-            raise ModelSpecError(f"{where}: {key} must be names")
-        found[key] = tuple(value)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(a, str) and a.strip() for a in value):
+            raise ModelSpecError(f"{where}: {key} must be names (a list of strings, or one string with commas)")
+        found[key] = tuple(a.strip() for a in value)
     load = _typed(where, "load_on_start", preset.get("load_on_start", False))
     settings = dataclasses.replace(settings, **overrides)
     wrong = model_settings_error(settings)
