@@ -57,7 +57,7 @@ class Model:
         progress: ProgressReporter | None = None,
     ) -> None:
         self.path = os.fspath(path)
-        _check_gguf_file(self.path)
+        self._content = _check_gguf_file(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.split_mode = SPLIT_MODES[split_mode]
@@ -154,10 +154,11 @@ class Model:
         self.close()
 
     def fingerprint(self) -> str:
-        """A short hash of this model and the llama.cpp build running it (its compiled
-        features), stable across restarts of the same pair."""
+        """A short hash of this model's file (samples of its bytes, read when it was loaded) and
+        the llama.cpp build running it (its compiled features), stable across restarts of the
+        same pair; two files of one shape and type (a base and its fine-tune) differ."""
         system = ffi.string(lib.llama_print_system_info()).decode("utf-8", "replace")
-        meta = f"{self.description}|{self.size_bytes}|{self.n_params}|{system}"
+        meta = f"{self.description}|{self.size_bytes}|{self.n_params}|{self._content}|{system}"
         return hashlib.sha256(meta.encode()).hexdigest()[:12]
 
     def __repr__(self) -> str:
@@ -165,11 +166,22 @@ class Model:
         return f"<Model {self.name!r} {state}>"
 
 
-def _check_gguf_file(path: str) -> None:
-    """Refuse what is plainly not a GGUF file before llama.cpp sees it."""
+_SAMPLES = 16
+_SAMPLE_BYTES = 64 * 1024
+
+
+def _check_gguf_file(path: str) -> str:
+    """Refuse what is plainly not a GGUF file before llama.cpp sees it; a digest of its size
+    and of ``_SAMPLES`` pieces of it spread from its first byte to its last (a megabyte read of
+    however many: the weights differ between two models of one shape where the header does not)."""
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
+            size = os.fstat(f.fileno()).st_size
+            digest = hashlib.sha256(str(size).encode())
+            span = max(0, size - _SAMPLE_BYTES)
+            for i in range(_SAMPLES):
+                digest.update(os.pread(f.fileno(), _SAMPLE_BYTES, span * i // (_SAMPLES - 1)))
     except FileNotFoundError:
         raise ModelLoadError(f"model file not found: {path}") from None
     except IsADirectoryError:
@@ -178,3 +190,4 @@ def _check_gguf_file(path: str) -> None:
         raise ModelLoadError(f"cannot read model file {path}: {exc.strerror}") from None
     if magic != _GGUF_MAGIC:
         raise ModelLoadError(f"not a GGUF file: {path}")
+    return digest.hexdigest()

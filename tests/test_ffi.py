@@ -423,3 +423,19 @@ def test_a_vocabulary_only_model_loads_and_tokenizes(model_path: pathlib.Path, m
             "Hello there", add_special=False
         )
         assert ffi.kv_cache_bytes(vocab_only, 4096, 4, ffi.Attention()) == 0
+
+
+def test_the_fingerprint_tells_two_models_of_one_shape_apart(
+    tiny_model_path: pathlib.Path, model_path: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """Found by review: the fingerprint hashed the description, size and parameter count only,
+    so a slot saved with one model was restored into another of the same shape (a base and its
+    fine-tune), silently changing its answers. Now it covers samples of the file's bytes."""
+    from bench.random_model import SHAPES, write_model
+
+    other = tmp_path / "other.gguf"
+    write_model(model_path, other, SHAPES["tiny"], seed=1)
+    with ffi.Model(tiny_model_path) as a, ffi.Model(other) as b, ffi.Model(tiny_model_path) as again:
+        assert (a.description, a.size_bytes, a.n_params) == (b.description, b.size_bytes, b.n_params)
+        assert a.fingerprint() != b.fingerprint()
+        assert a.fingerprint() == again.fingerprint()  # stable for the same file

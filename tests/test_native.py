@@ -702,6 +702,24 @@ def own_folder(slot_folder: pathlib.Path, filename: str) -> pathlib.Path:
     return path.parent
 
 
+def test_a_slot_saved_with_one_model_is_not_restored_into_another_of_its_shape(
+    tiny_model_path: pathlib.Path, model_path: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """Found by review: two models of one shape and type had one fingerprint, so a slot saved
+    with one was restored into the other (200) and changed its answers."""
+    other = tmp_path / "other.gguf"
+    write_model(model_path, other, SHAPES["tiny"], seed=1)
+    (tmp_path / "slots").mkdir()
+    args = ["--parallel", "1", "--ctx-size", "512", "--slot-save-path", str(tmp_path / "slots")]
+    with serving([*args, "--model", f"a={tiny_model_path}", "--model", f"b={other}"]) as server:
+        assert post(server, "/completion", {"model": "a", "prompt": PROMPT, "n_predict": 2}).status_code == 200
+        saved = post(server, "/slots/0?action=save&model=a", {"filename": "s.bin"})
+        assert saved.status_code == 200, saved.text
+        error = native_error(post(server, "/slots/0?action=restore&model=b", {"filename": "s.bin"}), 400)
+        assert "another model" in error["message"]
+        assert post(server, "/slots/0?action=restore&model=a", {"filename": "s.bin"}).status_code == 200
+
+
 def test_slot_files_are_checked(configured: ServerProcess, slot_folder: pathlib.Path) -> None:
     post(configured, "/completion", {"prompt": "Hello there", "n_predict": 1})
     assert post(configured, "/slots/0?action=save", {"filename": "good.bin"}).status_code == 200
