@@ -141,7 +141,8 @@ _HELP = {
     "max_queue": "requests waiting for a free sequence or a grammar compile before 503",
     "cache_ram": (
         "MiB of host RAM for prompt prefixes evicted from the sequences, restored when a prompt extends one (0: off; "
-        "at most half of the memory left once the KV cache is made, less the other loaded models' bounds)"
+        "the process's, in equal shares for as many models as may be loaded at once; each at most half of the "
+        "memory left once its KV cache is made, less the other loaded models' shares)"
     ),
     "no_fast_forward": (
         "sample every token a grammar forces one decode step at a time, instead of decoding the forced run at once"

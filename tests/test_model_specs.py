@@ -102,6 +102,17 @@ def test_alias_and_tags_name_no_model_of_several(tmp_path: pathlib.Path) -> None
             model_specs(parse_settings(["--model", f"a={model}", "--model", f"b={model}", flag, "x"], env={}))
 
 
+def test_cache_ram_is_shared_by_the_models_loaded_at_once(tmp_path: pathlib.Path) -> None:
+    # Found by review: each model had the whole --cache-ram, N models N times it.
+    model = touch(tmp_path / "m.gguf")
+    four = [arg for id_ in "abcd" for arg in ("--model", f"{id_}={model}")]
+    assert {s.settings.cache_ram for s in model_specs(parse_settings([*four, "--cache-ram", "4096"], env={}))} == {1024}
+    two_at_once = parse_settings([*four, "--cache-ram", "4096", "--models-max", "2"], env={})
+    assert {s.settings.cache_ram for s in model_specs(two_at_once)} == {2048}
+    [single] = model_specs(parse_settings(["--model", str(model), "--cache-ram", "4096"], env={}))
+    assert single.settings.cache_ram == 4096
+
+
 def test_duplicate_ids_and_an_empty_folder(tmp_path: pathlib.Path) -> None:
     model = touch(tmp_path / "m.gguf")
     with pytest.raises(ModelSpecError, match="given twice"):

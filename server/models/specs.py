@@ -111,7 +111,11 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         for name in spec.names:
             if names.setdefault(name, spec.id) != spec.id:
                 raise ModelSpecError(f"the name {name!r} is used by both {names[name]!r} and {spec.id!r}")
-    return specs
+    # --cache-ram is the process's: each model's prompt cache gets an equal share of it, for as
+    # many models as may be loaded at once.
+    at_once = min(len(specs), settings.models_max or len(specs))
+    share = settings.cache_ram // at_once
+    return [dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, cache_ram=share)) for spec in specs]
 
 
 def _add(paths: dict[str, str], id_: str, path: str, where: str) -> None:
