@@ -110,6 +110,9 @@ def test_the_access_line_counts_every_choice(sdk: openai.OpenAI, server: ServerP
 def test_sdk_models_list(sdk: openai.OpenAI) -> None:
     models = sdk.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    # The retrieve call (it was a 404 "no route"); one model answers any name, as requests do.
+    card = sdk.models.retrieve("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert card.id == "SmolLM2-135M-Instruct.Q4_1.gguf" and card.object == "model"
 
 
 def test_stop_sequences_and_seed(sdk: openai.OpenAI) -> None:

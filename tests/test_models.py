@@ -66,6 +66,11 @@ def test_each_model_by_id_and_alias_loaded_on_demand(models_dir: pathlib.Path, m
         cards = {c["id"]: c for c in httpx.get(proc.url + "/v1/models").json()["data"]}
         assert cards["tiny-a"]["aliases"] == ["first", "primo"]
         assert cards["tiny-a"]["tags"] == ["small", "noise"] and "tags" not in cards["tiny-b"]
+        # OpenAI's retrieve call, by id or alias; an unknown name is a 404 in OpenAI's shape.
+        for name in ("tiny-a", "primo"):
+            assert httpx.get(f"{proc.url}/v1/models/{name}", timeout=10).json() == cards["tiny-a"]
+        missing = httpx.get(proc.url + "/v1/models/nope", timeout=10)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         seen: set[str] = set()
         polling = threading.Event()
 

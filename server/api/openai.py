@@ -21,9 +21,12 @@ from server.api.lazy import deferred
 from server.api.native_embed import native_embeddings
 from server.api.preflight import read_object
 from server.api.respond import current_state, json_response
+from server.models.registry import ModelNotFound
 
 if TYPE_CHECKING:
     from server.api import model_list
+    from server.models.registry import ModelRegistry
+    from server.models.specs import ModelSpec
 else:  # imported once the server is ready (server.api.lazy)
     model_list = deferred("server.api.model_list")
 
@@ -34,31 +37,42 @@ openai = Blueprint("openai", __name__)
 @openai.get("/models")
 async def models() -> Response:
     registry = current_state().models
-    cards = []
-    for spec in registry.specs:
-        runtime = registry.runtime(spec.id)
-        status = model_list.ModelStatus(value="unloaded")
-        meta = None
-        if runtime is not None:
-            status = model_list.ModelStatus(value=runtime.status)  # type: ignore[arg-type]
-            if runtime.status == "loading":
-                status.progress = round(runtime.progress, 3)
-            elif runtime.failed is not None:
-                status.error = runtime.failure
-            if runtime.info is not None and runtime.info.name is not None and runtime.engine is not None:
-                meta = model_list.ModelMeta(name=runtime.info.name)
-        aliases = list(spec.aliases) or None
-        cards.append(
-            model_list.ModelCard(
-                id=spec.id,
-                created=registry.created,
-                aliases=aliases,
-                tags=list(spec.tags) or None,
-                status=status,
-                meta=meta,
-            )
-        )
+    cards = [_card(registry, spec) for spec in registry.specs]
     return json_response(model_list.ModelList(data=cards).model_dump(exclude_none=True))
+
+
+@openai.get("/v1/models/<path:name>")
+@openai.get("/models/<path:name>")
+async def model(name: str) -> Response:
+    """OpenAI's retrieve-model call: one model's card, by id or alias."""
+    registry = current_state().models
+    try:
+        spec = registry.resolve(name)
+    except ModelNotFound as exc:
+        raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+    return json_response(_card(registry, spec).model_dump(exclude_none=True))
+
+
+def _card(registry: ModelRegistry, spec: ModelSpec) -> model_list.ModelCard:
+    runtime = registry.runtime(spec.id)
+    status = model_list.ModelStatus(value="unloaded")
+    meta = None
+    if runtime is not None:
+        status = model_list.ModelStatus(value=runtime.status)  # type: ignore[arg-type]
+        if runtime.status == "loading":
+            status.progress = round(runtime.progress, 3)
+        elif runtime.failed is not None:
+            status.error = runtime.failure
+        if runtime.info is not None and runtime.info.name is not None and runtime.engine is not None:
+            meta = model_list.ModelMeta(name=runtime.info.name)
+    return model_list.ModelCard(
+        id=spec.id,
+        created=registry.created,
+        aliases=list(spec.aliases) or None,
+        tags=list(spec.tags) or None,
+        status=status,
+        meta=meta,
+    )
 
 
 @openai.post("/v1/chat/completions")
