@@ -44,6 +44,7 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._jinja: jinja2.Template | None = None
+        self.compile_error: str | None = None  # jinja2's, where the source does not compile
         if source and ("{%" in source or "{{" in source):
             import jinja2.sandbox
 
@@ -53,7 +54,21 @@ class ChatTemplate:
             try:
                 self._jinja = env.from_string(source)
             except jinja2.TemplateError as exc:
+                self.compile_error = str(exc)
                 logger.warning("chat template does not compile in jinja2 (%s); using llama.cpp's", exc)
+
+    def check(self) -> None:
+        """Raise ``TemplateError`` when no conversation can be rendered: the source neither
+        compiles in jinja2 nor is a template llama.cpp knows by its text or name."""
+        if self._jinja is not None:
+            return
+        try:
+            apply_builtin_template(self.source, [{"role": "user", "content": "x"}], True)
+        except TemplateError:
+            why = f" ({self.compile_error})" if self.compile_error else ""
+            raise TemplateError(
+                f"the chat template neither compiles in jinja2{why} nor is one llama.cpp knows"
+            ) from None
 
     def render(
         self,

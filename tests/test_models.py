@@ -281,6 +281,24 @@ def test_a_model_whose_embedder_cannot_fit_fails_alone(models_dir: pathlib.Path,
         assert proc.proc.poll() is None and "Traceback" not in proc.log
 
 
+def test_a_chat_template_that_renders_nothing_fails_its_model_not_its_clients(models_dir: pathlib.Path) -> None:
+    # Found by review: a template the operator gave that neither compiles in jinja2 nor is one
+    # llama.cpp knows made every chat a 400 blaming the client ("cannot apply the chat template").
+    preset = models_dir / "template.ini"
+    preset.write_text("[tiny-a]\nchat_template = {% if %}\n")
+    with serving([*BASE, "--models-dir", str(models_dir), "--models-preset", str(preset)]) as proc:
+        refused = chat(proc.url, "tiny-a")
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "model_load_failed" and "neither compiles in jinja2" in error["message"]
+        assert chat(proc.url, "tiny-b").status_code == 200
+    assert "Traceback" not in proc.log
+    # One model, the template on the command line: the start fails, saying why.
+    with ServerProcess([*BASE, "--model", str(models_dir / "tiny-a.gguf"), "--chat-template", "{{ nope("]) as alone:
+        assert alone.wait(60) == 1
+    assert "the chat template neither compiles in jinja2" in alone.log and "Traceback" not in alone.log
+
+
 def test_a_failed_load_tells_a_client_the_file_but_not_its_folder(tmp_path: pathlib.Path) -> None:
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(40))  # no architecture
     with serving([*BASE, "--models-dir", str(tmp_path)]) as proc:

@@ -209,10 +209,7 @@ class ModelRuntime:
         model, devices, s = loaded.model, loaded.devices, loaded.settings
         serving = False
         try:
-            template = ffi.ChatTemplate(
-                self._template_source or model.chat_template,
-                bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else "",
-            )
+            template = await trio.to_thread.run_sync(self._template, model)
             fingerprint = f"fp_{model.fingerprint()}"
             self.info = ModelInfo(self.spec.id, self.created, model.name, fingerprint, template, devices)
             if s.embeddings:
@@ -262,6 +259,22 @@ class ModelRuntime:
         finally:
             if await self._close_compiles():
                 model.close()
+
+    def _template(self, model: ffi.Model) -> ffi.ChatTemplate:
+        """The model's chat template (blocking: jinja2 compiles it). One the operator gave that
+        can render nothing fails the load: every chat would be a 400 blaming its client."""
+        template = ffi.ChatTemplate(
+            self._template_source or model.chat_template,
+            bos_token=model.vocab.text(model.vocab.bos) if model.vocab.bos >= 0 else "",
+        )
+        if self._template_source is not None:
+            try:
+                template.check()
+            except ffi.TemplateError as exc:
+                raise ffi.TemplateError(
+                    f"{self.spec.id}: {exc} (--chat-template, --chat-template-file, a preset)"
+                ) from None
+        return template
 
     def _fail(self, exc: Exception) -> None:
         """The load failed: requests for this model get ``failed`` (a 503) and the next one
