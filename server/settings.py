@@ -58,6 +58,7 @@ class Settings:
     pooling: str | None = None  # None: the model's own, or mean
     api_key: tuple[str, ...] = ()
     api_key_file: str | None = None
+    admin_key: tuple[str, ...] = ()  # keys that may also load and unload models
     max_queue: int = 64
     cache_ram: int = 2048  # MiB
     no_fast_forward: bool = False
@@ -85,7 +86,8 @@ class Settings:
     chat_template: str | None = None  # a template's text or a llama.cpp built-in's name
 
     def api_keys(self) -> frozenset[str]:
-        keys = set(self.api_key)
+        """Every key a request may give: --api-key's, the file's and --admin-key's."""
+        keys = set(self.api_key) | set(self.admin_key)
         if self.api_key_file:
             for line in pathlib.Path(self.api_key_file).read_text().splitlines():
                 if line.strip() and not line.lstrip().startswith("#"):
@@ -138,6 +140,10 @@ _HELP = {
     "pooling": "how embeddings pool their tokens: mean, cls or last (default: the model's own, else mean)",
     "api_key": "accepted API key (repeatable; env: comma-separated)",
     "api_key_file": "file with one API key per line",
+    "admin_key": (
+        "API key that may also load and unload models (POST /models/load, /models/unload); once one is given, "
+        "no other key may (repeatable; env: comma-separated)"
+    ),
     "max_queue": "requests waiting for a free sequence or a grammar compile before 503",
     "cache_ram": (
         "MiB of host RAM for prompt prefixes evicted from the sequences, restored when a prompt extends one (0: off; "

@@ -236,6 +236,26 @@ def test_load_and_unload_routes(models_dir: pathlib.Path) -> None:
         )
 
 
+def test_with_an_admin_key_only_it_loads_and_unloads(models_dir: pathlib.Path) -> None:
+    # Found by review: any tenant's key could unload the models of all of them.
+    args = [*BASE, "--models-dir", str(models_dir), "--api-key", "tenant", "--admin-key", "ops"]
+    tenant, ops = {"Authorization": "Bearer tenant"}, {"Authorization": "Bearer ops"}
+    with serving(args) as proc:
+        for path in ("/models/load", "/models/unload"):
+            refused = httpx.post(proc.url + path, json={"model": "tiny-a"}, headers=tenant, timeout=60)
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["error"]["code"] == "insufficient_permissions"
+        assert httpx.post(proc.url + "/models/load", json={"model": "tiny-a"}, timeout=60).status_code == 401
+        assert (
+            httpx.post(proc.url + "/models/load", json={"model": "tiny-a"}, headers=ops, timeout=60).status_code == 200
+        )
+        body = {"model": "tiny-a", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        for key in (tenant, ops):  # both keys are served
+            answer = httpx.post(proc.url + "/v1/chat/completions", json=body, headers=key, timeout=60)
+            assert answer.status_code == 200, answer.text
+        assert httpx.post(proc.url + "/models/unload", json={"model": "tiny-a"}, headers=ops).status_code == 200
+
+
 def test_sigterm_during_loads_exits_cleanly(models_dir: pathlib.Path) -> None:
     with ServerProcess([*BASE, "--models-dir", str(models_dir)]) as proc:
         proc.wait_ready()

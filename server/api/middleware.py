@@ -72,7 +72,12 @@ def _install_guards(app: QuartTrio, settings: Settings) -> None:
         return ApiError(400, message, code="unsupported_protocol").response()
 
 
+# What only an operator's key may do once --admin-key names one: every tenant's models go.
+OPERATOR_PATHS = frozenset({"/models/load", "/models/unload"})
+
+
 def _install_auth(app: QuartTrio, settings: Settings, public: frozenset[str]) -> None:
+    admin_keys = frozenset(settings.admin_key)
     api_keys = settings.api_keys()
 
     @app.before_request
@@ -82,15 +87,22 @@ def _install_auth(app: QuartTrio, settings: Settings, public: frozenset[str]) ->
         header = request.headers.get("Authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
         given_bytes = given.encode()
-        ok = False
-        for key in api_keys:  # constant time per key; every key is checked
-            ok |= hmac.compare_digest(given_bytes, key.encode())
-        if not ok:  # raised, so that the route's own error shape renders it
+        if not _one_of(given_bytes, api_keys):  # raised, so that the route's own error shape renders it
             message = "invalid API key" if given else "missing API key (Authorization: Bearer <key>)"
             raise ApiError(401, message, type_="authentication_error", code="invalid_api_key")
+        if admin_keys and request.path in OPERATOR_PATHS and not _one_of(given_bytes, admin_keys):
+            message = f"{request.path} needs an operator's key (--admin-key)"
+            raise ApiError(403, message, type_="permission_error", code="insufficient_permissions")
         # Each key is its own tenant for the prefix and grammar caches (prepare.cache_scope).
         g.tenant = hashlib.sha256(given_bytes).hexdigest()
         return None
+
+
+def _one_of(given: bytes, keys: frozenset[str]) -> bool:
+    ok = False
+    for key in keys:  # constant time per key; every key is checked
+        ok |= hmac.compare_digest(given, key.encode())
+    return ok
 
 
 def _install_continue(app: QuartTrio, settings: Settings) -> None:
