@@ -117,6 +117,11 @@ class ServerState:
         for runtime in self.models.runtimes():
             runtime.stop_compiles()
 
+    def drain_models(self) -> None:
+        """A shutdown's drain: loads in progress are aborted and requests waiting for a model
+        end with a 503 (``ModelRegistry.drain``); loaded models serve on."""
+        self.models.drain()
+
     def stop_models(self) -> None:
         """Let ``run_models`` and ``run_store`` finish (aborting loads in progress)."""
         self.models.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import threading
 import time
 
@@ -20,7 +21,8 @@ import pytest
 
 from bench.random_model import SHAPES, write_model
 from server.models.memory import available_memory
-from tests.support.process import ServerProcess, serving
+from tests.support import sse
+from tests.support.process import NO_END_TOKENS, ServerProcess, serving
 from tests.support.waiting import wait_for
 
 BASE = ["--parallel", "2", "--ctx-size", "4096", "--threads", "1", "--cache-ram", "0"]
@@ -359,3 +361,87 @@ def test_an_operator_can_abort_a_load(tmp_path: pathlib.Path, model_path: pathli
         wait_for(lambda: statuses(proc)["slow"] == "unloaded", "the aborted load to end", 30)
         assert "model slow: load aborted on request" in proc.log
         assert chat(proc.url, "smol").status_code == 200
+
+
+SHUTTING_DOWN = {
+    "message": "server is shutting down",
+    "type": "server_error",
+    "param": None,
+    "code": "server_shutting_down",
+}
+
+
+def test_sigterm_during_a_load_refuses_its_waiters_and_lets_loaded_models_finish(
+    tmp_path: pathlib.Path, model_path: pathlib.Path
+) -> None:
+    # The slow model's file is a pipe (as above): its load is surely under way at the signal.
+    # Its waiters (each family's) get the 503 that queued requests get, at once, rather than the
+    # load's result; the stream on the model already loaded runs to its end in the drain; the
+    # process exits as soon as that stream ends, not at --drain-timeout.
+    pipe = tmp_path / "slow.gguf"
+    os.mkfifo(pipe)
+    args = [*BASE, "--model", f"slow={pipe}", "--model", f"smol={model_path}", "--drain-timeout", "60"]
+    with ServerProcess(args) as proc:
+        proc.wait_ready()
+        body = {"model": "smol", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 300}
+        running: list[str] = []
+        with httpx.stream(
+            "POST",
+            proc.url + "/v1/chat/completions",
+            json={**body, "stream": True, "logit_bias": NO_END_TOKENS},
+            timeout=120,
+        ) as stream:
+            lines = stream.iter_lines()
+            running.append(next(lines))
+            answers: dict[str, tuple[float, httpx.Response]] = {}
+            waiters = [
+                threading.Thread(target=_answered, args=(answers, name, proc.url + path, payload))
+                for name, path, payload in (
+                    ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                    (
+                        "stream",
+                        "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "Hi"}], "stream": True},
+                    ),
+                    ("messages", "/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+                )
+            ]
+            for waiter in waiters:
+                waiter.start()
+            wait_for(lambda: gauge(proc, "requests_waiting", "slow") == 3, "three requests waiting for slow", 30)
+            assert statuses(proc)["slow"] == "loading"
+            assert gauge(proc, "requests_running", "smol") == 1  # the stream runs on into the drain
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            for waiter in waiters:
+                waiter.join(10)
+            assert set(answers) == {"chat", "stream", "messages"}, f"still waiting: {answers.keys()}"
+            for name, (at, answer) in answers.items():
+                assert answer.status_code == 503, (name, answer.text)
+                assert at - signalled < 1.0, f"{name} was answered {at - signalled:.2f} s after SIGTERM"
+            assert answers["chat"][1].json() == {"error": SHUTTING_DOWN}
+            assert answers["stream"][1].json() == {"error": SHUTTING_DOWN}  # refused before its answer began
+            error = {"type": "overloaded_error", "message": "server is shutting down"}
+            assert answers["messages"][1].json() == {"type": "error", "error": error}
+            with open(pipe, "wb") as writer:  # let the load go on (it waits in open): it finds it was aborted
+                writer.write(b"GGUF")
+            running.extend(lines)
+            ended = time.monotonic()
+        assert proc.wait(60) == 0, proc.log[-3000:]
+        exited = time.monotonic()
+    payloads = [p for p in map(sse.data_of, running) if p is not None]
+    assert payloads[-1] == "[DONE]" and sse.finish_reason(payloads[-2]) == "length", payloads[-3:]
+    assert exited - ended < 2.0, f"exited {exited - ended:.2f} s after the last stream ended"
+    assert exited - signalled < 30, f"exited {exited - signalled:.2f} s after SIGTERM"
+    assert "model slow: load aborted: the server is shutting down" in proc.log
+    assert "Traceback" not in proc.log, proc.log[-3000:]
+
+
+def _answered(
+    answers: dict[str, tuple[float, httpx.Response]], name: str, url: str, payload: dict[str, object]
+) -> None:
+    try:
+        response = httpx.post(url, json={"model": "slow", "max_tokens": 4, **payload}, timeout=120)
+    except httpx.TransportError:  # the server went away first: reported as never answered
+        return
+    answers[name] = (time.monotonic(), response)

@@ -9,6 +9,8 @@ the load needs room that busy models hold (``--models-max``, ``--models-max-mb``
 them, in a queue bounded by ``--max-queue``, and then gets ``ModelsBusy`` (a 503 with
 ``Retry-After``). ``--sleep-idle-seconds`` unloads a model idle that long. Each loaded model is
 one ``ModelRuntime`` (its own engine, decode thread and prompt cache) in the registry's nursery.
+At a shutdown's drain (``drain``) loads in progress are aborted and those waits end with
+``server_shutting_down``; loaded models serve on for the requests that hold them.
 
 Unloading drops the model's host prompt cache with it: the cache holds KV state that only that
 model's context can use, and keeping it would keep the memory the unload is meant to free.
@@ -103,6 +105,7 @@ class ModelRegistry:
         self._blocked = 0  # requests waiting for room
         self._changed = trio.Event()
         self._closed = trio.Event()
+        self._draining = False  # the shutdown's drain: no loads, no new leases (``drain``)
         self._nursery: trio.Nursery | None = None
         self.retired = EngineStats()  # counters of engines since unloaded
         self.load_failed: BaseException | None = None  # a model loaded at start failed
@@ -147,7 +150,8 @@ class ModelRegistry:
         """A lease on the model ``name`` names, loading it first if it is not loaded.
 
         Raises ``ModelNotFound``, or ``ModelUnavailable`` when its load fails, takes longer
-        than ``--models-load-timeout``, or must wait for room in a full queue.
+        than ``--models-load-timeout``, or must wait for room in a full queue; or, with the code
+        ``server_shutting_down``, once the drain has begun (``drain``), a wait included.
 
         *Cancellation*: the wait ends (a load it started goes on, for others and later ones).
         """
@@ -163,8 +167,8 @@ class ModelRegistry:
         blocked = False
         try:
             while True:
-                if self._closed.is_set():
-                    raise ModelUnavailable("the server is shutting down", "server_shutting_down")
+                if self._closed.is_set() or self._draining:
+                    raise ModelUnavailable("server is shutting down", "server_shutting_down")
                 runtime = self._runtimes.get(spec.id)
                 if runtime is not None and runtime.engine is not None and not runtime.stopping:
                     return Lease(self, runtime)
@@ -243,6 +247,19 @@ class ModelRegistry:
                     runtime.stop()
             # The models' nursery now waits for every runtime to free its model.
 
+    def drain(self) -> None:
+        """The shutdown's drain begins: loads in progress are aborted (their results never
+        served) and no more start; requests waiting for a model (its load, or room for it) end
+        now with ``server_shutting_down``, and so does any later ``acquire``. Loaded models
+        serve on for the requests that hold them, until ``close``."""
+        if self._draining:
+            return
+        self._draining = True
+        for runtime in list(self._runtimes.values()):
+            if runtime.engine is None and runtime.failed is None and not runtime.stopping:
+                self._stop(runtime, "load aborted: the server is shutting down")
+        self.changed()
+
     def close(self) -> None:
         """Unload every model and let ``run`` end (loads in progress are aborted)."""
         self._closed.set()
@@ -253,7 +270,7 @@ class ModelRegistry:
     def _start(self, spec: ModelSpec, *, force: bool = False) -> bool:
         """Start loading ``spec`` once there is room (unloading idle models first); False
         when busy models hold the room."""
-        if self._nursery is None or self._closed.is_set():
+        if self._nursery is None or self._closed.is_set() or self._draining:
             return False
         resident = [self._resident(r) for r in self._runtimes.values() if not r.done.is_set() and r.failed is None]
         max_bytes = self.settings.models_max_mb * MIB if self.settings.models_max_mb else None

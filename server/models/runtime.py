@@ -200,11 +200,16 @@ class ModelRuntime:
             self.done.set()
 
     async def _run(self) -> None:
+        if self._stop.is_set():  # stopped before its load began (it waited for room)
+            return
         started = self._early.started if self._early is not None else time.monotonic()
         try:
             loaded = await trio.to_thread.run_sync(self._load)
         except Exception as exc:
             self._fail(exc)
+            return
+        if self._stop.is_set():  # stopped too late for llama.cpp to see the abort: never served
+            loaded.close()
             return
         model, devices, s = loaded.model, loaded.devices, loaded.settings
         serving = False

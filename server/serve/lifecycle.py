@@ -7,7 +7,8 @@ On the first SIGTERM or SIGINT:
    ``/health`` answers 503 ``draining``; idle keep-alive connections close;
 2. queued jobs end at once with ``server_shutting_down`` (a 503), except streams, whose answer
    has begun (its head and first chunk are out): they wait for a sequence as before;
-   embeddings waiting for the embedder end the same way;
+   embeddings waiting for the embedder end the same way, and so do requests waiting for a
+   model, whose load in progress is aborted (a model loaded serves on for its requests);
 3. in-flight requests, and those streams, run on until they finish or ``drain_timeout`` passes;
 4. at the deadline, or on a second signal, every remaining job ends with the shutting-down
    error event and ``[DONE]`` (a 503 when not streamed, embeddings after their decode in
@@ -205,9 +206,11 @@ class Service:
         logger.info("stopped")
 
     def _refuse_queued(self) -> None:
-        """No new jobs or grammar compiles; queued ones end now with a 503 that a proxy may retry
-        elsewhere, except streams, whose answer has begun: they keep their place and run within
-        the drain. Requests waiting for a compile have not begun their answer: they get the 503."""
+        """No new jobs, loads or grammar compiles; queued ones end now with a 503 that a proxy may
+        retry elsewhere, except streams, whose answer has begun: they keep their place and run
+        within the drain. Requests waiting for a compile, or for a model (its load, aborted now,
+        or room for it), have not begun their answer: they get the 503."""
+        self.state.drain_models()  # first: an engine whose load ends later never admits a job
         for engine in self.state.engines():
             engine.stop_admitting()
             engine.fail_queued(ShuttingDown("server is shutting down"), keep_streamed=True)
