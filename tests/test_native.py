@@ -182,6 +182,21 @@ def test_completion_shape_and_counts(server: ServerProcess) -> None:
     assert again["timings"]["prompt_n"] + again["timings"]["cache_n"] == again["tokens_evaluated"]
 
 
+def test_every_generated_token_id_is_returned_when_its_text_is_not_out_yet(server: ServerProcess) -> None:
+    """Found by review: a step whose token completed no character (a CJK character's first
+    bytes) made no piece, and its id was lost from ``tokens`` (16 of 30), streamed or not."""
+    body = {
+        "prompt": "Capital:",
+        "n_predict": 30,
+        "return_tokens": True,
+        "grammar": 'root ::= "東京は日本の首都です。"+',
+    }
+    answer = post(server, "/completion", body).json()
+    assert answer["tokens_predicted"] == 30 and len(answer["tokens"]) == 30, answer
+    streamed = [token for event in stream_objects(server, "/completion", body) for token in event.get("tokens", [])]
+    assert len(streamed) == 30
+
+
 def test_unprefixed_completions_is_the_native_format(server: ServerProcess) -> None:
     answer = post(server, "/completions", {"prompt": PROMPT, "n_predict": 2}).json()
     assert {"content", "stop", "timings"} <= set(answer) and "choices" not in answer

@@ -45,6 +45,7 @@ class Choice:
         "cached_tokens",
         "restored_tokens",
         "pending",
+        "held",
         "unjudged",
         "paused",
         "sent",
@@ -94,6 +95,9 @@ class Choice:
         self.restored_tokens = 0  # of those, restored from the host cache
         # To decode next step: the token sampled last and the tokens its grammar forced after it.
         self.pending: list[int] = []
+        # Tokens generated whose text is not out yet (a character's first bytes): their ids go
+        # with the next piece, so that a piece's tokens add up to every token generated.
+        self.held: tuple[int, ...] = ()
         self.unjudged = 0  # of those forced tokens, how many are judged after that decode (logprobs)
         self.paused = False
         # Items put into / taken out of the channel; their difference is what it buffers (cheaper

@@ -102,10 +102,9 @@ class Engine:
         Raises ``ContextLengthExceeded`` when the prompt cannot fit in a sequence, ``Overloaded``
         when the queue is full, ``ShuttingDown`` when the engine no longer admits jobs.
 
-        *Cancellation*: leaving the block for any reason — normal end, exception, or
-        cancellation (a client that went away) — releases the job. A queued job is never
-        decoded; a running one is dropped before the engine's next decode step, its KV cells
-        freed and its sequence reusable.
+        *Cancellation*: leaving the block for any reason (its end, an exception, a client gone)
+        releases the job. A queued job is never decoded; a running one is dropped before the
+        engine's next decode step, its KV cells freed and its sequence reusable.
         """
         error = self.admission_error(job)
         if error is not None:
@@ -164,8 +163,7 @@ class Engine:
         self.stats.queued = len(self._queue)
 
     def abort_all(self, error: EngineError) -> None:
-        """End every queued and running job with ``error``; running jobs' cells are freed at
-        the engine's next step."""
+        """End every queued and running job with ``error``; running ones' cells go next step."""
         self.fail_queued(error)
         for slot in self._slots:
             if slot.choice is not None:
@@ -182,8 +180,7 @@ class Engine:
         """The engine loop; runs until cancelled. Idle (no CPU) while there is nothing to do.
 
         *Cancellation*: a decode step in progress is waited for (the decode thread holds the
-        context and is never abandoned); then the loop ends. Jobs still running get
-        ``ShuttingDown``.
+        context and is never abandoned); then the loop ends. Running jobs get ``ShuttingDown``.
         """
         task_status.started()
         try:
@@ -366,11 +363,14 @@ class Engine:
             tokens = out.tokens[: verdict.taken]
             if tokens and tokens[-1] in eog:  # an end token ends the answer and is not part of it
                 tokens.pop()
-            piece_tokens, logprobs = tuple(tokens), tuple(out.logprobs[: len(tokens)])
+            piece_tokens, logprobs = choice.held + tuple(tokens), tuple(out.logprobs[: len(tokens)])
+            choice.held = ()
             if verdict.finish is None:
                 assert choice.pending, "a job goes on only with a run to decode"
                 if j.text or logprobs:
                     self._outbox.queue(choice, Piece(j.text, piece_tokens, logprobs=logprobs, index=choice.index))
+                else:  # no text yet, nor logprobs: the ids go with the next piece
+                    choice.held = piece_tokens
                 continue
             # A copy's prompt was its source's: a job's usage is the sum over its choices.
             prompt_tokens = len(choice.prompt) if choice.source is choice else 0
