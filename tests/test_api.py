@@ -170,6 +170,7 @@ def test_raw_sse_stream(server: ServerProcess) -> None:
     assert payloads[-1]["choices"] == []
     assert set(payloads[-1]["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
     assert payloads[-2] is finishes[0]
+    assert all("usage" in p and p["usage"] is None for p in payloads[:-1])  # OpenAI's null before the last
 
 
 def test_raw_sse_without_usage_and_completion_shape(server: ServerProcess) -> None:

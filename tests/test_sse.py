@@ -151,3 +151,15 @@ def test_error_event_shape() -> None:
 @pytest.mark.parametrize("payload", [{"a": [1, 2.5, None, True]}, {"text": "line\nbreak 🦙"}, {}])
 def test_event_is_one_data_event(payload: dict[str, Any]) -> None:
     assert one_event(event(payload)) == payload
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_with_include_usage_every_chunk_before_the_last_has_a_null_usage(chat: bool) -> None:
+    # OpenAI's stream_options.include_usage: "usage": null on each chunk, the totals on the last.
+    f = ChunkFramer(chat=chat, id_=ID, created=CREATED, model=MODEL, include_usage=True)
+    chunks = [f.text("a"), f.text("b", index=1), f.text("c", {"content": []}), f.finish("stop")]
+    if chat:
+        chunks += [f.role(), f.delta({"tool_calls": []})]
+    assert all("usage" in one_event(c) and one_event(c)["usage"] is None for c in chunks)
+    assert one_event(f.usage({"prompt_tokens": 1}))["usage"] == {"prompt_tokens": 1}
+    assert all("usage" not in one_event(c) for c in (framer(chat).text("a"), framer(chat).finish("stop")))

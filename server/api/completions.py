@@ -44,7 +44,14 @@ async def complete(state: ServerState, *, chat: bool) -> Response:
     created = int(time.time())
     model = prepared.model
     if prepared.stream:
-        framer = sse.ChunkFramer(chat=chat, id_=id_, created=created, model=model.id, fingerprint=model.fingerprint)
+        framer = sse.ChunkFramer(
+            chat=chat,
+            id_=id_,
+            created=created,
+            model=model.id,
+            fingerprint=model.fingerprint,
+            include_usage=prepared.include_usage,
+        )
         return streamed_response(prepared, OpenAIStream(prepared, framer), trace, state.settings.ping_interval)
     choices = await collect(prepared, trace)
     merged = merged_usage([c.usage for c in choices if c.usage])

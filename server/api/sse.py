@@ -40,21 +40,29 @@ class ChunkFramer:
     """Renders the chunks of one stream: chat (``chat.completion.chunk``, text in
     ``delta.content``) or completion (``text_completion``, text in ``text``)."""
 
-    def __init__(self, *, chat: bool, id_: str, created: int, model: str, fingerprint: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        chat: bool,
+        id_: str,
+        created: int,
+        model: str,
+        fingerprint: str | None = None,
+        include_usage: bool = False,
+    ) -> None:
+        """``include_usage``: the stream ends with a usage chunk, and every chunk before it has
+        ``"usage": null`` (OpenAI's ``stream_options.include_usage``)."""
         self.chat = chat
         head = {"id": id_, "object": "chat.completion.chunk" if chat else "text_completion", "created": created}
         head["model"] = model
         if fingerprint is not None:
             head["system_fingerprint"] = fingerprint
         self._head = _dumps(head)[:-1]  # without the closing brace
+        self._end = (b',"usage":null}' if include_usage else b"}") + b"\n\n"  # after the choices
         self._choice_head = self._head.encode() + (
             b',"choices":[{"index":0,"delta":{"content":' if chat else b',"choices":[{"index":0,"text":'
         )
-        self._choice_tail = (
-            b'},"logprobs":null,"finish_reason":null}]}\n\n'
-            if chat
-            else (b',"logprobs":null,"finish_reason":null}]}\n\n')
-        )
+        self._choice_tail = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null}]' + self._end
 
     def role(self, index: int = 0) -> bytes:
         """The first chat chunk of a choice: the assistant role, no content yet."""
@@ -63,7 +71,7 @@ class ChunkFramer:
     def _choice(self, choice: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> bytes:
         """A chunk with one choice, through the general (slower) path."""
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
-        return b"data: " + self._head.encode() + b',"choices":[' + _dumps(choice).encode() + b"]}\n\n"
+        return b"data: " + self._head.encode() + b',"choices":[' + _dumps(choice).encode() + b"]" + self._end
 
     def text(self, text: str, logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
         """A chunk of new text (and, when given, its tokens' log-probabilities) of choice
@@ -80,7 +88,8 @@ class ChunkFramer:
             + self._head.encode()
             + b',"choices":[{"index":0,"delta":'
             + _dumps(delta).encode()
-            + b',"logprobs":null,"finish_reason":null}]}\n\n'
+            + b',"logprobs":null,"finish_reason":null}]'
+            + self._end
         )
 
     def finish(self, reason: str, index: int = 0) -> bytes:
