@@ -319,6 +319,19 @@ def test_slot_file_storage_failure_is_its_own_error(tmp_path) -> None:
     assert not list((tmp_path / "elsewhere").iterdir())
 
 
+def test_a_slot_file_never_fills_the_disk(tmp_path) -> None:
+    # Found by review: clients name their files and each salt is a folder of its own, so saves
+    # could fill the disk the server shares. A save that would leave less than the reserve free
+    # is refused, and nothing of it is left.
+    disk = os.statvfs(tmp_path)
+    free = disk.f_bavail * disk.f_frsize
+    with pytest.raises(slot_file.StorageError, match="would leave less than"):
+        slot_file.write(str(tmp_path), "s.bin", "fp_1", "a:", [1], b"x" * 4096, reserve=free)
+    own = tmp_path / slot_file.folder_name("a:")
+    assert not list(own.iterdir())
+    assert slot_file.write(str(tmp_path), "s.bin", "fp_1", "a:", [1], b"x" * 4096, reserve=0) > 4096
+
+
 def test_slot_op_refusals() -> None:
     from server.engine.choice import Slot
     from server.engine.slot_ops import SlotBusy, SlotOp, refusal

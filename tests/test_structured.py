@@ -366,14 +366,14 @@ def test_cancelled_constrained_streams_leak_nothing(server: ServerProcess) -> No
             for _ in range(n):
                 assert client.post(server.url + "/v1/chat/completions", json=small).status_code == 200
 
-    burst(100)
+    burst(60)
     before = rss(server.proc.pid)
-    threads = [threading.Thread(target=burst, args=(225,)) for _ in range(4)]
+    threads = [threading.Thread(target=burst, args=(110,)) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(300)
-    assert server.metrics()["llama_trio_requests_total{endpoint=/v1/chat/completions,status=200}"] >= 1000
+    assert server.metrics()["llama_trio_requests_total{endpoint=/v1/chat/completions,status=200}"] >= 500
     assert rss(server.proc.pid) - before < 32 * 1024 * 1024
 
 

@@ -105,13 +105,39 @@ def folder_name(scope: str) -> str:
     return hashlib.sha256(b"llama-trio slot folder\0" + scope.encode()).hexdigest()[:32]
 
 
-def write(folder: str, name: str, fingerprint: str, scope: str, tokens: Sequence[int], state: bytes | bytearray) -> int:
+# What a save must leave free on the slot folder's file system: at least this, and this share
+# of it. Clients name their files (and each salt is a folder of its own), so without it they
+# could fill the disk that the server, its store and its logs share.
+DISK_RESERVE_BYTES = 1 << 30
+DISK_RESERVE_SHARE = 0.05
+
+
+def write(
+    folder: str,
+    name: str,
+    fingerprint: str,
+    scope: str,
+    tokens: Sequence[int],
+    state: bytes | bytearray,
+    *,
+    reserve: int | None = None,
+) -> int:
     """Save as ``name`` in ``scope``'s subfolder of ``folder`` (made when missing; replacing a
     file of the same owner there, ``NotOwner`` for another's, ``SlotFileError`` for an entry that
-    is not a regular file); the bytes written. Raises ``StorageError`` when the folder fails."""
+    is not a regular file); the bytes written. Raises ``StorageError`` when the folder fails, or
+    when the file would leave less than ``reserve`` bytes free on its file system (default:
+    ``DISK_RESERVE_BYTES`` or ``DISK_RESERVE_SHARE`` of it, the more)."""
     head = encode_head(fingerprint, scope, tokens)
     dir_fd = _open_folder(folder, scope, create=True)
     try:
+        disk = os.fstatvfs(dir_fd)
+        if reserve is None:
+            reserve = max(DISK_RESERVE_BYTES, int(disk.f_blocks * disk.f_frsize * DISK_RESERVE_SHARE))
+        free = disk.f_bavail * disk.f_frsize
+        if free - len(head) - len(state) < reserve:
+            raise StorageError(
+                f"cannot be written: it would leave less than {reserve // 2**20} MiB free on the slot folder's disk"
+            )
         return _write_in(dir_fd, name, scope, head, state)
     finally:
         os.close(dir_fd)
