@@ -402,4 +402,42 @@ def test_cors_origin_allowed() -> None:
         assert ok.headers["access-control-allow-origin"] == "http://app.test"
         other = httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.test", "X-Api-Key": "k"})
         assert "access-control-allow-origin" not in other.headers
+        # An allowed origin may send what changes something, from a browser too.
+        body = {"prompt": "Hi", "max_tokens": 1}
+        browser = {"Origin": "http://app.test", "Sec-Fetch-Site": "cross-site", "X-Api-Key": "k"}
+        assert httpx.post(server.url + "/v1/completions", json=body, headers=browser, timeout=60).status_code == 200
         assert server.stop() == 0
+
+
+def test_other_sites_cannot_send_what_changes_something(server: ServerProcess) -> None:
+    """Found by review: a page of any website could POST here with a text/plain body (no CORS
+    preflight) and, without an API key, unload models, queue work or save slots; CORS only kept
+    it from reading the answer. Now a browser's request from another site is a 403."""
+    body = '{"prompt": "Hi", "max_tokens": 1}'
+    url = server.url + "/v1/completions"
+    for headers in (
+        {"Origin": "http://evil.test", "Sec-Fetch-Site": "cross-site"},
+        {"Origin": "http://localhost:5173", "Sec-Fetch-Site": "same-site"},  # another port: another origin
+        {"Origin": "http://evil.test"},  # a browser without Fetch Metadata: its Origin is not this Host
+        {"Origin": "null", "Sec-Fetch-Site": "cross-site"},
+    ):
+        refused = httpx.post(url, content=body, headers={**headers, "Content-Type": "text/plain"}, timeout=60)
+        assert refused.status_code == 403, (headers, refused.text)
+        assert refused.json()["error"]["code"] == "cross_origin_refused"
+    unload = httpx.post(
+        server.url + "/models/unload", content='{"model": "x"}', headers={"Origin": "http://evil.test"}, timeout=60
+    )
+    assert unload.status_code == 403
+    assert server.metrics()["llama_trio_requests_total{endpoint=/models/unload,status=403}"] == 1
+    # The page's own origin, a browser's direct navigation and clients that are no browser.
+    host = f"127.0.0.1:{server.port}"
+    for headers in (
+        {"Origin": f"http://{host}", "Sec-Fetch-Site": "same-origin"},
+        {"Origin": f"http://{host}"},
+        {"Sec-Fetch-Site": "none"},
+        {},
+    ):
+        ok = httpx.post(url, content=body, headers={**headers, "Content-Type": "application/json"}, timeout=60)
+        assert ok.status_code == 200, (headers, ok.text)
+    # Reading is not refused (the answer stays unreadable to the page without CORS).
+    assert httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.test"}).status_code == 200

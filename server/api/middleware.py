@@ -37,6 +37,7 @@ def install(app: QuartTrio, state: ServerState, public: frozenset[str]) -> None:
     """Add the middleware and error handlers to ``app``; ``public`` paths need no API key."""
     settings = state.settings
     _install_guards(app, settings)
+    _install_same_origin(app, settings)
     _install_auth(app, settings, public)
     _install_continue(app, settings)
     _install_finish(app, state)
@@ -70,6 +71,38 @@ def _install_guards(app: QuartTrio, settings: Settings) -> None:
     async def refuse_websocket() -> Response:
         message = 'WebSocket is not served; stream a completion with POST and "stream": true (Server-Sent Events)'
         return ApiError(400, message, code="unsupported_protocol").response()
+
+
+# Methods that change something: a browser page of another origin may not send them. A page
+# can POST without a preflight (a text/plain body), and CORS only keeps it from reading the
+# answer: without a key, any website its user visits could load, unload, queue and save here.
+_WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _install_same_origin(app: QuartTrio, settings: Settings) -> None:
+    cors = set(settings.cors_origin)
+
+    @app.before_request
+    async def refuse_other_sites() -> None:
+        if request.method not in _WRITES:
+            return
+        origin = request.headers.get("Origin")
+        if origin is not None and _allowed_origin(origin, cors):
+            return
+        # Browsers say where a request comes from (Fetch Metadata); one that does not, its
+        # Origin against the Host it was sent to. A client that is no browser sends neither.
+        site = request.headers.get("Sec-Fetch-Site")
+        if site is not None:
+            ok = site in {"same-origin", "none"}
+        else:
+            ok = origin is None or origin.partition("://")[2] == request.headers.get("Host", "")
+        if not ok:
+            message = f"a request from another site ({origin or site}) is refused; allow its origin with --cors-origin"
+            raise ApiError(403, message, type_="permission_error", code="cross_origin_refused")
+
+
+def _allowed_origin(origin: str, cors: set[str]) -> bool:
+    return "*" in cors or origin in cors or ("localhost" in cors and _local(origin))
 
 
 # What only an operator's key may do once --admin-key names one: every tenant's models go.
@@ -146,7 +179,7 @@ def _add_cors(response: Response, cors: set[str]) -> None:
     # Caches must key on the origin whenever the answer can depend on it.
     response.vary.add("Origin")
     origin = request.headers.get("Origin")
-    if not origin or ("*" not in cors and origin not in cors and not ("localhost" in cors and _local(origin))):
+    if not origin or not _allowed_origin(origin, cors):
         return
     response.headers["Access-Control-Allow-Origin"] = "*" if "*" in cors else origin
     requested = request.headers.get("Access-Control-Request-Headers", "").strip()
