@@ -226,6 +226,17 @@ def test_retrieve_and_delete(sdk: openai.OpenAI) -> None:
     created = sdk.responses.create(model="x", input="Pick a color.", text=fmt(COLOR))  # type: ignore[arg-type]
     got = sdk.responses.retrieve(created.id)
     assert got.model_dump() == created.model_dump()
+    # A list in the query as the SDK writes it (include[]=...): it was taken and dropped.
+    for asked in (
+        lambda: sdk.responses.retrieve(created.id, include=["message.output_text.logprobs"]),
+        lambda: sdk.responses.input_items.list(created.id, include=["message.output_text.logprobs"]),
+    ):
+        with pytest.raises(openai.BadRequestError, match="include"):
+            asked()
+    url = f"{sdk.base_url}responses/{created.id}"
+    for query in ("include%5B0%5D=message.output_text.logprobs", "stream%5B%5D=true"):
+        refused = httpx.get(f"{url}?{query}", timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_parameter"
     sdk.responses.delete(created.id)
     for gone in (
         lambda: sdk.responses.retrieve(created.id),

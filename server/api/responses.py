@@ -13,6 +13,7 @@ its client can read that it is done, so ``previous_response_id`` can continue it
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -231,9 +232,15 @@ def _not_found(id_: str) -> ApiError:
     return ApiError(404, f"no stored response {id_!r}", param="response_id", code="not_found")
 
 
+# A query parameter's name, also in the list forms clients send (``include[]``, ``include[0]``:
+# OpenAI's SDK writes lists so).
+_QUERY_NAME = re.compile(r"(?P<name>[^\[]+)(?:\[\d*\])?")
+
+
 def _refuse_query(*names: str) -> None:
     """A 400 for a query parameter this server does not do (``include`` is allowed empty)."""
-    for name in names:
-        values = [v for v in request.args.getlist(name) if v and not (name == "stream" and v == "false")]
-        if values:
+    for key, value in request.args.items(multi=True):
+        match = _QUERY_NAME.fullmatch(key)
+        name = match["name"] if match else key
+        if name in names and value and not (name == "stream" and value == "false"):
             raise ApiError(400, f"{name!r} is not supported by this server", param=name, code="unsupported_parameter")
