@@ -8,7 +8,6 @@ launch).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import pathlib
 import re
@@ -16,11 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from server.settings_checks import settings_error
+
 ENV_PREFIX = "LLAMA_TRIO_"
 # llama.cpp's KV cache types, as llama-server names them (ffi.context.CACHE_TYPES; not imported
 # here so that --help loads no llama.cpp).
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-_UNQUANTIZED = ("f32", "f16", "bf16")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def _default_threads() -> int:
@@ -263,7 +265,10 @@ def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
     if name in _CONVERT:
         return _CONVERT[name](raw)
     if kind is bool:
-        return raw.strip().lower() in {"1", "true", "yes", "on"}
+        word = raw.strip().lower()
+        if word not in _TRUE | _FALSE:
+            raise ValueError(f"{raw!r} is not 1/0, true/false, yes/no or on/off")
+        return word in _TRUE
     if kind is tuple:
         return tuple(part.strip() for part in raw.split(",") if part.strip())
     return kind(raw)
@@ -367,30 +372,9 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     wrong = model_settings_error(settings)
     if wrong is not None:
         parser.error(f"--{wrong[0].replace('_', '-')} {wrong[1]}")
-    if settings.cache_ram < 0:
-        parser.error("--cache-ram must be 0 (off) or a number of MiB")
-    if not 0 < settings.responses_max_mb < math.inf:  # also NaN
-        parser.error("--responses-max-mb must be a positive, finite number of MiB (fractions allowed)")
-    if settings.temp is not None and not 0.0 <= settings.temp <= 2.0:
-        parser.error("--temp must be between 0 and 2")
-    if settings.seed is not None and not 0 <= settings.seed < 2**32:
-        parser.error("--seed must be between 0 and 4294967295")
-    if settings.slot_save_path is not None and not os.path.isdir(settings.slot_save_path):
-        parser.error(f"--slot-save-path {settings.slot_save_path}: not a folder")
-    if settings.chat_template is not None and settings.chat_template_file is not None:
-        parser.error("--chat-template and --chat-template-file cannot both be given")
-    if not settings.ping_interval > 0:  # also NaN; 0 would ping without end
-        parser.error("--ping-interval must be a positive number of seconds")
-    for name in ("models_max", "models_max_mb"):
-        value = getattr(settings, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not settings.models_load_timeout > 0:
-        parser.error("--models-load-timeout must be a positive number of seconds")
-    if settings.sleep_idle_seconds is not None and not settings.sleep_idle_seconds > 0:
-        parser.error("--sleep-idle-seconds must be a positive number of seconds")
-    if settings.flash_attn == "off" and settings.cache_type_v not in _UNQUANTIZED:
-        parser.error(f"--cache-type-v {settings.cache_type_v} needs flash attention: --flash-attn on or auto")
+    problem = settings_error(settings)
+    if problem is not None:
+        parser.error(problem)
     return settings
 
 
@@ -400,6 +384,8 @@ MAX_PARALLEL = 256
 # ggml's bound on a computation's threads (GGML_MAX_N_THREADS); past it OpenMP's thread
 # creation fails and the process ends at the model's first step.
 MAX_THREADS = 512
+# llama.cpp reads a batch's size as an int32.
+MAX_BATCH = 2**31 - 1
 
 
 def model_settings_error(s: Settings) -> tuple[str, str] | None:
@@ -409,8 +395,8 @@ def model_settings_error(s: Settings) -> tuple[str, str] | None:
         return "parallel", f"must be between 1 and {MAX_PARALLEL}"
     if s.ctx_size < 0 or 0 < s.ctx_size < s.parallel:
         return "ctx_size", f"must be 0 (the model's own) or at least parallel ({s.parallel}): a cell per sequence"
-    if s.batch_size < 1:
-        return "batch_size", "must be at least 1"
+    if not 1 <= s.batch_size <= MAX_BATCH:
+        return "batch_size", f"must be between 1 and {MAX_BATCH}"
     if not 1 <= s.threads <= MAX_THREADS:
         return "threads", f"must be between 1 and {MAX_THREADS} (llama.cpp's most)"
     if s.max_queue < 1:

@@ -67,7 +67,7 @@ def test_ini_presets_are_typed(tmp_path: pathlib.Path) -> None:
         ("[m]\nctx_size = -1\n", r"\[m\]: ctx_size must be 0 \(the model's own\) or at least parallel"),
         ("[m]\nparallel = 0\n", r"\[m\]: parallel must be between 1 and 256"),
         ("[m]\nparallel = 8\nctx_size = 4\n", "ctx_size must be"),
-        ("[m]\nbatch_size = -5\n", "batch_size must be at least 1"),
+        ("[m]\nbatch_size = -5\n", "batch_size must be between 1 and 2147483647"),
         ("[m]\nthreads = 0\n", "threads must be between 1 and 512"),
         ("[m]\nthreads = 99999\n", "threads must be between 1 and 512"),  # OpenMP failed: a crash
         ("[m]\nmax_queue = 0\n", "max_queue must be at least 1"),  # every request was a 503
@@ -153,11 +153,12 @@ def test_idle_expired() -> None:
 def test_alias_list_and_tags_as_llama_server() -> None:
     """``--alias a,b,c``: every one a name of the model, the first in order its id; ``--tags``
     listed with it."""
-    settings = parse_settings(["--alias", "tinyllama-2, fim,code", "--tags", "chat,fim,small,chat"], env={})
+    one = ["--model", "m.gguf"]  # a path of its own: no default model needed (make test-unit hides it)
+    settings = parse_settings([*one, "--alias", "tinyllama-2, fim,code", "--tags", "chat,fim,small,chat"], env={})
     [spec] = model_specs(settings)
     assert spec.id == "code" and set(spec.names) == {"code", "fim", "tinyllama-2"}
     assert spec.tags == ("chat", "fim", "small")
-    [plain] = model_specs(parse_settings(["--alias", "mine"], env={}))
+    [plain] = model_specs(parse_settings([*one, "--alias", "mine"], env={}))
     assert plain.id == "mine" and plain.names == ("mine",) and plain.tags == ()
 
 
@@ -168,7 +169,8 @@ def test_alias_list_and_tags_as_llama_server() -> None:
         (["--ctx-size", "-1"], "--ctx-size must be"),
         (["--parallel", "0"], "--parallel must be between 1 and 256"),
         (["--parallel", "257"], "--parallel must be between 1 and 256"),
-        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--batch-size", "0"], "--batch-size must be between 1 and 2147483647"),
+        (["--batch-size", "99999999999"], "--batch-size must be between 1 and 2147483647"),
         (["--threads", "-2"], "--threads must be between 1 and 512"),
         (["--threads", "513"], "--threads must be between 1 and 512"),
         (["--max-queue", "-1"], "--max-queue must be at least 1"),
