@@ -186,3 +186,28 @@ def test_llama_servers_bad_inputs_are_400s(embedding_server: ServerProcess, body
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param if "param" in error else param in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("value", "param", "needle"),
+    [
+        (["x"] * 257, "input", "at most 256 items"),
+        ([], "input", "at least 1 item"),
+        ([[1], []], "input[1]", "at least 1 item"),
+        ([-1], "input[0]", "greater than or equal to 0"),
+        ([[1], [-2]], "input[1][0]", "greater than or equal to 0"),
+        ([1, "a"], "input[1]", "valid integer"),
+        (5, "input", "a string, strings, token ids or lists of token ids"),
+    ],
+    ids=["257-inputs", "empty-list", "empty-token-list", "negative-id", "negative-id-in-list", "text-among-ids",
+         "a-number"],
+)  # fmt: skip
+def test_bad_input_shapes_say_what_is_wrong(
+    embedding_server: ServerProcess, value: Any, param: str, needle: str
+) -> None:
+    """Found by review: each of these was "input: Input should be a valid string" (the first
+    shape pydantic tried), whatever was wrong."""
+    response = httpx.post(embedding_server.url + "/v1/embeddings", json={"input": value}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
