@@ -211,3 +211,17 @@ def test_bad_input_shapes_say_what_is_wrong(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and needle in error["message"], error
+
+
+def test_every_input_token_is_an_output(embedding_server: ServerProcess, model: Any) -> None:
+    """Found by review: every decode logged llama.cpp's warning "embeddings required but some
+    input tokens were not marked as outputs -> overriding" (the embedder marked only the last
+    token). The vectors are what they were (tests/test_ffi.py compares both ways in one process)."""
+    url = embedding_server.url + "/embedding"
+    ids = model.vocab.tokenize(TEXTS[3], add_special=True)
+    by_text, by_ids, again = (
+        httpx.post(url, json={"content": content}, timeout=60).json()[0]["embedding"]
+        for content in (TEXTS[3], ids, TEXTS[3])
+    )
+    assert by_text == by_ids == again
+    assert "not marked as outputs" not in embedding_server.log
