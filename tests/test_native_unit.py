@@ -362,3 +362,28 @@ def test_parse_work_counts_every_text_the_parse_tokenizes() -> None:
         assert parse_work({"prompt": "x", "input_prefix": "", **body}, infill=True) > INLINE_WORK_CHARS, body
     # Refused entries count for nothing (the parse stops there).
     assert parse_work({"prompt": "x", "input_extra": [5, {"text": text}]}, infill=True) <= INLINE_WORK_CHARS
+
+
+class BosVocab(FakeVocab):
+    """``FakeVocab`` whose tokenizer adds BOS (999) when asked, and reads "<s>" as one special
+    token when parsing them (its code point otherwise, each character)."""
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if parse_special and text == "<s>":
+            return [998]
+        return [999] * add_special + super().tokenize(text)
+
+
+def test_mixed_adds_bos_only_when_asked_and_text_comes_first() -> None:
+    """Found by review: /tokenize read ``add_special`` backwards for ids and text mixed (a text
+    item tokenized first, with BOS, when it was false). As llama-server's ``tokenize_mixed``:
+    BOS only with ``add_special`` and a text first; never for an empty sequence."""
+    from server.api.native_prompt import mixed
+
+    vocab = BosVocab()
+    assert mixed([5, "ab"], vocab, add_special=False) == mixed([5, "ab"], vocab) == [5, 97, 98]
+    assert mixed(["ab", 5], vocab, add_special=False) == [97, 98, 5]
+    assert mixed(["ab", 5, "c"], vocab) == [999, 97, 98, 5, 99]
+    assert mixed([], vocab) == mixed([], vocab, add_special=False) == []
+    assert mixed([5, "<s>"], vocab) == [5, 998]
+    assert mixed([5, "<s>"], vocab, parse_special=False) == [5, 60, 115, 62]

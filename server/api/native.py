@@ -249,7 +249,7 @@ async def _tokenize(vocab: ffi.Vocab, body: dict[str, Any]) -> Response:
     def run() -> list[int]:
         if isinstance(content, str):
             return vocab.tokenize(content, add_special=add_special, parse_special=parse_special)
-        return mixed(content if add_special else ["", *content], vocab, "content")
+        return mixed(content, vocab, "content", add_special=add_special, parse_special=parse_special)
 
     try:
         with tokenizing("content"):

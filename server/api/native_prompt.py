@@ -87,15 +87,23 @@ def _one(value: Any, vocab: native_schema.Tokenizer, where: str) -> list[int]:
     raise native_schema.NativeError("a prompt is a string, token ids, or {'prompt_string': ...}", where)
 
 
-def mixed(value: list[Any], vocab: native_schema.Tokenizer, param: str = "prompt") -> list[int]:
-    """Token ids and text in one sequence; the text parsed for special tokens, BOS only when
-    the sequence starts with text (as llama-server's ``tokenize_mixed``). Anything else in it
-    (a float, a bool, null, a list, an object) or an id outside the vocabulary is a
+def mixed(
+    value: list[Any],
+    vocab: native_schema.Tokenizer,
+    param: str = "prompt",
+    *,
+    add_special: bool = True,
+    parse_special: bool = True,
+) -> list[int]:
+    """Token ids and text in one sequence, as llama-server's ``tokenize_mixed``: the text
+    parsed for special tokens when ``parse_special``; the model's special tokens (BOS) only
+    when ``add_special`` and the sequence starts with text, never for an empty one. Anything
+    else in it (a float, a bool, null, a list, an object) or an id outside the vocabulary is a
     ``NativeError`` naming ``param``."""
     tokens: list[int] = []
     for i, part in enumerate(value):
         if isinstance(part, str):
-            tokens += vocab.tokenize(part, add_special=i == 0, parse_special=True)
+            tokens += vocab.tokenize(part, add_special=add_special and i == 0, parse_special=parse_special)
         elif isinstance(part, bool) or not isinstance(part, int):
             raise native_schema.NativeError(f"{param} holds token ids and strings only, not {part!r:.40}", param)
         elif not 0 <= part < vocab.n_tokens:
