@@ -15,10 +15,10 @@ from typing import Any
 from quart import Response
 
 from server.api.errors import ApiError
-from server.api.native_prompt import mixed
+from server.api.native_prompt import mixed, text_work
 from server.api.native_schema import NativeError
 from server.api.preflight import model_lease, model_name, off_loop, resolve, tokenizing
-from server.api.respond import json_response
+from server.api.respond import FLOAT_CHARS, large_json_response
 from server.engine import EngineError
 from server.state import ServerState
 
@@ -46,7 +46,9 @@ async def native_embeddings(state: ServerState, body: dict[str, Any], error: typ
     if body.get("encoding_format", "float") != "float":  # llama-server ignores it here: refused, not dropped
         message = "encoding_format: this route answers floats (base64 is for /v1/embeddings)"
         raise error(400, message, param="encoding_format", code="invalid_value")
-    entries = _entries(body[param], param, error)
+    value = body[param]
+    work = text_work(value)  # a walk that stops early: ``value`` may hold millions of ids
+    entries = await off_loop(work, lambda: _entries(value, param, error))
     lease = await model_lease(state, name)
     try:
         embedder, vocab = lease.runtime.embedder, lease.engine.vocab
@@ -68,14 +70,17 @@ async def native_embeddings(state: ServerState, body: dict[str, Any], error: typ
             return out
 
         with tokenizing(param):
-            inputs = await off_loop(sum(len(str(entry)) for _, entry in entries), tokenize)
+            inputs = await off_loop(work, tokenize)
         try:
             vectors = await embedder.embed(inputs, norm)
         except EngineError as exc:  # the drain
             raise error.from_engine(exc) from None
     finally:
         lease.release()
-    return json_response([{"index": i, "embedding": [vector]} for i, vector in enumerate(vectors)])
+    return await large_json_response(
+        sum(map(len, vectors)) * FLOAT_CHARS,
+        lambda: [{"index": i, "embedding": [vector]} for i, vector in enumerate(vectors)],
+    )
 
 
 def _entries(value: Any, param: str, error: type[ApiError]) -> list[tuple[str, str | list[int | str]]]:

@@ -29,11 +29,28 @@ def parse_work(body: dict[str, Any], *, infill: bool) -> int:
     prompt, the texts of ``logit_bias`` and /infill's prefix, suffix and extra files (each text
     a tokenizer call). The walk stops once past ``INLINE_WORK_CHARS`` (all ``off_loop`` asks),
     so it stays short whatever the body holds."""
-    work = len(str(body.get("prompt", "")))
+    work = text_work(body.get("prompt", ""))
     for text in _parsed_texts(body, infill=infill):
         if work > INLINE_WORK_CHARS:
             break
         work += len(text) + TOKENIZE_CALL_CHARS
+    return work
+
+
+def text_work(value: Any) -> int:
+    """How much text ``value`` (a prompt or a ``content``: text, token ids, lists or objects of
+    those) is to tokenize, in characters (``off_loop``'s estimate): each text its length and a
+    tokenizer call, each id or other item one character's worth. The walk stops once past
+    ``INLINE_WORK_CHARS``: a list of millions of ids is not walked (nor written out) on the
+    event loop to find that it is large."""
+    if isinstance(value, str):
+        return len(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    work = 0
+    for item in items:
+        if work > INLINE_WORK_CHARS:
+            break
+        work += text_work(item) + (TOKENIZE_CALL_CHARS if isinstance(item, str) else 1)
     return work
 
 
