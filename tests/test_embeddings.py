@@ -213,6 +213,31 @@ def test_bad_input_shapes_say_what_is_wrong(
     assert error["param"] == param and needle in error["message"], error
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("dimensions", 10), ("foo", 1), ("pooling", "mean"), ("truncate", True), ("input", "y")],
+)
+def test_llama_servers_embeddings_refuse_fields_not_their_own(
+    embedding_server: ServerProcess, field: str, value: Any
+) -> None:
+    """Found by review: /embedding and /embeddings (given content) dropped any other field
+    (dimensions answered the whole vector), and /embedding given content and input embedded
+    input. Both routes refuse them, each in its shape (/embeddings is an OpenAI route)."""
+    for path in ("/embedding", "/embeddings"):
+        response = httpx.post(embedding_server.url + path, json={"content": "x", field: value}, timeout=60)
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert field in error["message"], error
+        if path == "/embedding":  # llama-server's shape
+            assert set(error) == {"code", "message", "type"} and error["code"] == 400
+        else:
+            assert error["param"] == ("input" if field == "input" else field)
+        # A field set to null sets nothing.
+        assert (
+            httpx.post(embedding_server.url + path, json={"content": "x", field: None}, timeout=60).status_code == 200
+        )
+
+
 def test_every_input_token_is_an_output(embedding_server: ServerProcess, model: Any) -> None:
     """Found by review: every decode logged llama.cpp's warning "embeddings required but some
     input tokens were not marked as outputs -> overriding" (the embedder marked only the last

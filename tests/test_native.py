@@ -165,6 +165,22 @@ def test_tokenize_pieces_are_made_off_the_event_loop(server: ServerProcess) -> N
     assert response.json()["tokens"] == [one] * len(ids)
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/tokenize", {"content": "hi", "foo": 1}, "foo"),
+        ("/tokenize", {"content": "hi", "add_bos": True}, "add_bos"),
+        ("/detokenize", {"tokens": [1], "with_pieces": True}, "with_pieces"),
+        ("/apply-template", {"messages": [{"role": "user", "content": "hi"}], "foo": 1}, "foo"),
+    ],
+)
+def test_tokenize_routes_refuse_fields_not_their_own(server: ServerProcess, path: str, body: dict, field: str) -> None:
+    """Found by review: /tokenize and /detokenize took any other field and dropped it."""
+    assert f"'{field}' is not supported" in native_error(post(server, path, body), 400)["message"]
+    # A field set to null sets nothing.
+    assert post(server, path, {**body, field: None}).status_code == 200
+
+
 @pytest.fixture(scope="module")
 def bos_server(tmp_path_factory: pytest.TempPathFactory, model_path: pathlib.Path):
     """A tiny model on the default model's vocabulary whose tokenizer adds BOS (the default

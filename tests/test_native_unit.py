@@ -417,6 +417,17 @@ def test_text_work_stops_once_past_the_inline_bound() -> None:
     assert parse_work({"prompt": CountedList([1] * 1_000_000)}, infill=False) > INLINE_WORK_CHARS
 
 
+def test_unknown_fields_are_refused_by_name() -> None:
+    known = frozenset({"content", "model"})
+    native_schema.refuse_unknown({"content": "x", "model": "m", "foo": None}, known)  # null sets nothing
+    with pytest.raises(native_schema.NativeError, match="'foo' is not supported") as error:
+        native_schema.refuse_unknown({"content": "x", "foo": 1}, known)
+    assert error.value.param == "foo"
+    with pytest.raises(native_schema.NativeError) as error:
+        native_schema.refuse_unknown({"x" * 10_000: 1}, known)
+    assert error.value.param == "x" * native_schema.MAX_FIELD_NAME
+
+
 @pytest.mark.parametrize(
     "value",
     [

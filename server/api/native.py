@@ -25,7 +25,7 @@ from server.api.native_infill import INFILL_FIELDS, Fim, extra_chunks, infill_to
 from server.api.native_prompt import native_prompts, parse_work
 from server.api.native_slots import slot_action, slots_list
 from server.api.native_stream import NativeStream, StreamContext
-from server.api.native_tokens import detokenize_answer, tokenize_answer
+from server.api.native_tokens import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, detokenize_answer, tokenize_answer
 from server.api.preflight import (
     leased,
     model_name,
@@ -234,6 +234,7 @@ async def embedding() -> Response:
 async def tokenize() -> Response:
     body = await read_object()
     try:
+        native_schema.refuse_unknown(body, TOKENIZE_FIELDS)
         async with leased(current_state(), model_name(body.get("model"))) as lease:
             return await tokenize_answer(lease.engine.vocab, body)
     except native_schema.NativeError as exc:
@@ -244,6 +245,7 @@ async def tokenize() -> Response:
 async def detokenize() -> Response:
     body = await read_object()
     try:
+        native_schema.refuse_unknown(body, DETOKENIZE_FIELDS)
         async with leased(current_state(), model_name(body.get("model"))) as lease:
             return await detokenize_answer(lease.engine.vocab, body)
     except native_schema.NativeError as exc:

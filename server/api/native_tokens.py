@@ -1,7 +1,8 @@
 """llama-server's ``/tokenize`` and ``/detokenize`` answers: text (or token ids and text mixed)
-as token ids, with their pieces when asked, and token ids as text. Tokenizing, and making the
-answer, run off the event loop when large: a body of megabytes (millions of ids) never holds
-it. Problems are ``NativeError``s (the route answers them in llama-server's shape)."""
+as token ids, with their pieces when asked, and token ids as text. Their fields are
+llama-server's (and ``model``); another is refused. Tokenizing, and making the answer, run off
+the event loop when large: a body of megabytes (millions of ids) never holds it. Problems are
+``NativeError``s (the route answers them in llama-server's shape)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from server.api.native_schema import NativeError
 from server.api.preflight import tokenizing
 from server.api.respond import large_json_response
 
+# Each route's fields (``native_schema.refuse_unknown`` refuses others before the model is leased).
+TOKENIZE_FIELDS = frozenset({"content", "add_special", "parse_special", "with_pieces", "model"})
+DETOKENIZE_FIELDS = frozenset({"tokens", "model"})
 # What a token's piece and its part of the answer cost, in characters of text to tokenize
 # (``off_loop``'s unit): about 11 us a token here, some 15 characters' worth.
 PIECE_CHARS = 16
