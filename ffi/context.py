@@ -60,9 +60,13 @@ class Batch:
         self.n_tokens = i + 1
         return i
 
-    def add_run(self, tokens: Sequence[int], start_pos: int, seq_id: int, logits_last: bool) -> int:
+    def add_run(
+        self, tokens: Sequence[int], start_pos: int, seq_id: int, logits_last: bool, *, all_outputs: bool = False
+    ) -> int:
         """Append ``tokens`` at positions ``start_pos...``; logits only for the last one when
-        ``logits_last``. Returns the batch index of the last token."""
+        ``logits_last``, every token an output when ``all_outputs`` (what a context that makes
+        embeddings needs: llama.cpp marks them all itself otherwise, with a warning each
+        decode). Returns the batch index of the last token."""
         n = len(tokens)
         i = self.n_tokens
         end = i + n
@@ -72,7 +76,7 @@ class Batch:
         raw.token[i:end] = tokens
         raw.pos[i:end] = range(start_pos, start_pos + n)
         raw.n_seq_id[i:end] = [1] * n
-        raw.logits[i:end] = [0] * n
+        raw.logits[i:end] = [int(all_outputs)] * n
         seq_ptrs = raw.seq_id
         for k in range(i, end):
             seq_ptrs[k][0] = seq_id

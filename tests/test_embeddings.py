@@ -186,3 +186,67 @@ def test_llama_servers_bad_inputs_are_400s(embedding_server: ServerProcess, body
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param if "param" in error else param in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("value", "param", "needle"),
+    [
+        (["x"] * 257, "input", "at most 256 items"),
+        ([], "input", "at least 1 item"),
+        ([[1], []], "input[1]", "at least 1 item"),
+        ([-1], "input[0]", "greater than or equal to 0"),
+        ([[1], [-2]], "input[1][0]", "greater than or equal to 0"),
+        ([1, "a"], "input[1]", "valid integer"),
+        (5, "input", "a string, strings, token ids or lists of token ids"),
+    ],
+    ids=["257-inputs", "empty-list", "empty-token-list", "negative-id", "negative-id-in-list", "text-among-ids",
+         "a-number"],
+)  # fmt: skip
+def test_bad_input_shapes_say_what_is_wrong(
+    embedding_server: ServerProcess, value: Any, param: str, needle: str
+) -> None:
+    """Found by review: each of these was "input: Input should be a valid string" (the first
+    shape pydantic tried), whatever was wrong."""
+    response = httpx.post(embedding_server.url + "/v1/embeddings", json={"input": value}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("dimensions", 10), ("foo", 1), ("pooling", "mean"), ("truncate", True), ("input", "y")],
+)
+def test_llama_servers_embeddings_refuse_fields_not_their_own(
+    embedding_server: ServerProcess, field: str, value: Any
+) -> None:
+    """Found by review: /embedding and /embeddings (given content) dropped any other field
+    (dimensions answered the whole vector), and /embedding given content and input embedded
+    input. Both routes refuse them, each in its shape (/embeddings is an OpenAI route)."""
+    for path in ("/embedding", "/embeddings"):
+        response = httpx.post(embedding_server.url + path, json={"content": "x", field: value}, timeout=60)
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert field in error["message"], error
+        if path == "/embedding":  # llama-server's shape
+            assert set(error) == {"code", "message", "type"} and error["code"] == 400
+        else:
+            assert error["param"] == ("input" if field == "input" else field)
+        # A field set to null sets nothing.
+        assert (
+            httpx.post(embedding_server.url + path, json={"content": "x", field: None}, timeout=60).status_code == 200
+        )
+
+
+def test_every_input_token_is_an_output(embedding_server: ServerProcess, model: Any) -> None:
+    """Found by review: every decode logged llama.cpp's warning "embeddings required but some
+    input tokens were not marked as outputs -> overriding" (the embedder marked only the last
+    token). The vectors are what they were (tests/test_ffi.py compares both ways in one process)."""
+    url = embedding_server.url + "/embedding"
+    ids = model.vocab.tokenize(TEXTS[3], add_special=True)
+    by_text, by_ids, again = (
+        httpx.post(url, json={"content": content}, timeout=60).json()[0]["embedding"]
+        for content in (TEXTS[3], ids, TEXTS[3])
+    )
+    assert by_text == by_ids == again
+    assert "not marked as outputs" not in embedding_server.log

@@ -439,3 +439,30 @@ def test_the_fingerprint_tells_two_models_of_one_shape_apart(
         assert (a.description, a.size_bytes, a.n_params) == (b.description, b.size_bytes, b.n_params)
         assert a.fingerprint() != b.fingerprint()
         assert a.fingerprint() == again.fingerprint()  # stable for the same file
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_pooled_embeddings_with_every_token_an_output(
+    model: ffi.Model, caplog: pytest.LogCaptureFixture, pooling: str
+) -> None:
+    """Found by review: the embedder marked only each input's last token an output, so llama.cpp
+    marked them all itself and warned on every decode ("embeddings required but some input
+    tokens were not marked as outputs -> overriding"). Marked all (``all_outputs``), it does not
+    warn, and the vectors are the very same: llama.cpp computed that batch before too."""
+    caplog.set_level(logging.WARNING, "llama_trio.llama_cpp")
+    prompts = [model.vocab.tokenize(PROMPT), model.vocab.tokenize("A second input, longer than the first one.")]
+    vectors = {}
+    with (
+        ffi.Context(model, n_ctx=256, n_batch=64, n_seq_max=2, n_threads=2, embeddings=True, pooling=pooling) as ctx,
+        ffi.Batch(64) as batch,
+    ):
+        for all_outputs in (False, True):
+            batch.clear()
+            for seq, prompt in enumerate(prompts):
+                batch.add_run(prompt, 0, seq, logits_last=True, all_outputs=all_outputs)
+            caplog.clear()
+            ctx.decode(batch)
+            assert ("not marked as outputs" in caplog.text) is not all_outputs, caplog.text
+            vectors[all_outputs] = [ctx.embedding(seq) for seq in range(len(prompts))]
+            ctx.clear()
+    assert vectors[True] == vectors[False]

@@ -153,6 +153,63 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(server: ServerProcess) ->
     native_error(post(server, "/detokenize", {"tokens": "abc"}), 400)
 
 
+def test_tokenize_pieces_are_made_off_the_event_loop(server: ServerProcess) -> None:
+    """Found by review: /tokenize's pieces and its answer were made on the event loop (1.9
+    million ids with their pieces, a 68 MB answer: /health took 5.6 s). Its JSON is written in
+    parts too: one ``json.dumps`` call holds the GIL, from a worker thread too, for seconds."""
+    ids = [1] * 1_300_000  # 3.9 MB as the test writes it; a 47 MB answer
+    response, latencies = health_while(server, "/tokenize", {"content": ids, "with_pieces": True})
+    assert response.status_code == 200, response.text[:500]
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    (one,) = tokenize(server, [1], with_pieces=True)
+    assert response.json()["tokens"] == [one] * len(ids)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/tokenize", {"content": "hi", "foo": 1}, "foo"),
+        ("/tokenize", {"content": "hi", "add_bos": True}, "add_bos"),
+        ("/detokenize", {"tokens": [1], "with_pieces": True}, "with_pieces"),
+        ("/apply-template", {"messages": [{"role": "user", "content": "hi"}], "foo": 1}, "foo"),
+    ],
+)
+def test_tokenize_routes_refuse_fields_not_their_own(server: ServerProcess, path: str, body: dict, field: str) -> None:
+    """Found by review: /tokenize and /detokenize took any other field and dropped it."""
+    assert f"'{field}' is not supported" in native_error(post(server, path, body), 400)["message"]
+    # A field set to null sets nothing.
+    assert post(server, path, {**body, field: None}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory: pytest.TempPathFactory, model_path: pathlib.Path):
+    """A tiny model on the default model's vocabulary whose tokenizer adds BOS (the default
+    model's does not)."""
+    target = tmp_path_factory.mktemp("bos") / "bos.gguf"
+    write_model(model_path, target, SHAPES["tiny"], seed=5, add_bos=True)
+    with serving(["--model", str(target), "--parallel", "1", "--ctx-size", "256", "--threads", "2"]) as proc:
+        yield proc
+
+
+def test_tokenize_adds_bos_as_llama_server_does(bos_server: ServerProcess) -> None:
+    """Found by review: with ids and text mixed, add_special worked backwards (false added BOS,
+    true did not) and an empty list gave BOS. As llama-server's tokenize_mixed: false never
+    adds it; true adds it when the first item is text."""
+    server = bos_server
+    hello = tokenize(server, "hello")
+    (bos,) = (t for t in tokenize(server, "hello", add_special=True) if t not in hello)
+    for add_special in (False, True):
+        assert tokenize(server, [905, "hello"], add_special=add_special) == [905, *hello]
+        assert tokenize(server, [], add_special=add_special) == []
+        assert tokenize(server, ["hello", 905], add_special=add_special) == [bos] * add_special + [*hello, 905]
+    # parse_special holds for text among ids too.
+    assert tokenize(server, [905, "<|im_start|>"]) == [905, *tokenize(server, "<|im_start|>")]
+    assert tokenize(server, [905, "<|im_start|>"], parse_special=False) == [
+        905,
+        *tokenize(server, "<|im_start|>", parse_special=False),
+    ]
+
+
 # -- /completion ----------------------------------------------------------------------------------
 
 

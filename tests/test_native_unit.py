@@ -362,3 +362,94 @@ def test_parse_work_counts_every_text_the_parse_tokenizes() -> None:
         assert parse_work({"prompt": "x", "input_prefix": "", **body}, infill=True) > INLINE_WORK_CHARS, body
     # Refused entries count for nothing (the parse stops there).
     assert parse_work({"prompt": "x", "input_extra": [5, {"text": text}]}, infill=True) <= INLINE_WORK_CHARS
+
+
+class BosVocab(FakeVocab):
+    """``FakeVocab`` whose tokenizer adds BOS (999) when asked, and reads "<s>" as one special
+    token when parsing them (its code point otherwise, each character)."""
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if parse_special and text == "<s>":
+            return [998]
+        return [999] * add_special + super().tokenize(text)
+
+
+def test_mixed_adds_bos_only_when_asked_and_text_comes_first() -> None:
+    """Found by review: /tokenize read ``add_special`` backwards for ids and text mixed (a text
+    item tokenized first, with BOS, when it was false). As llama-server's ``tokenize_mixed``:
+    BOS only with ``add_special`` and a text first; never for an empty sequence."""
+    from server.api.native_prompt import mixed
+
+    vocab = BosVocab()
+    assert mixed([5, "ab"], vocab, add_special=False) == mixed([5, "ab"], vocab) == [5, 97, 98]
+    assert mixed(["ab", 5], vocab, add_special=False) == [97, 98, 5]
+    assert mixed(["ab", 5, "c"], vocab) == [999, 97, 98, 5, 99]
+    assert mixed([], vocab) == mixed([], vocab, add_special=False) == []
+    assert mixed([5, "<s>"], vocab) == [5, 998]
+    assert mixed([5, "<s>"], vocab, parse_special=False) == [5, 60, 115, 62]
+
+
+class CountedList(list):
+    """A list that counts the items its iteration hands out."""
+
+    handed = 0
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.handed += 1
+            yield item
+
+
+def test_text_work_stops_once_past_the_inline_bound() -> None:
+    """Found by review: the work of a /tokenize content or a native prompt was measured as
+    ``len(str(value))``: a list of 1.9 million ids written out on the event loop (0.5 s) to
+    find that it is large. The walk stops once past ``INLINE_WORK_CHARS``."""
+    from server.api.native_prompt import TOKENIZE_CALL_CHARS, text_work
+    from server.api.preflight import INLINE_WORK_CHARS
+
+    ids = CountedList([1] * 1_000_000)
+    assert text_work(ids) > INLINE_WORK_CHARS and ids.handed <= INLINE_WORK_CHARS + 2
+    assert text_work("abc") == 3 and text_work([1, 2, "abc"]) == 2 + 3 + TOKENIZE_CALL_CHARS
+    assert text_work([[1, 2], {"prompt_string": "ab"}]) == (2 + 1) + (2 + TOKENIZE_CALL_CHARS + 1)
+    assert text_work(5) == text_work(None) == 0
+    from server.api.native_prompt import parse_work
+
+    assert parse_work({"prompt": CountedList([1] * 1_000_000)}, infill=False) > INLINE_WORK_CHARS
+
+
+def test_unknown_fields_are_refused_by_name() -> None:
+    known = frozenset({"content", "model"})
+    native_schema.refuse_unknown({"content": "x", "model": "m", "foo": None}, known)  # null sets nothing
+    with pytest.raises(native_schema.NativeError, match="'foo' is not supported") as error:
+        native_schema.refuse_unknown({"content": "x", "foo": 1}, known)
+    assert error.value.param == "foo"
+    with pytest.raises(native_schema.NativeError) as error:
+        native_schema.refuse_unknown({"x" * 10_000: 1}, known)
+    assert error.value.param == "x" * native_schema.MAX_FIELD_NAME
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"tokens": [{"id": i, "piece": f"é{i}"} for i in range(50_000)]},
+        [1] * 100_000,
+        [{"index": i, "embedding": [[i / 7] * 576]} for i in range(64)],
+        {"content": "x" * 200_000, "n": None, "ok": True, "list": [], "object": {}},
+        [[1] * 30_000, "x", [{"a": "b" * 70_000}, {"c": 1.5}]],
+        {1: "a key that is not a string"},
+        [],
+        "text",
+    ],
+    ids=["pieces", "ids", "vectors", "text", "nested", "int-key", "empty", "scalar"],
+)
+def test_json_parts_are_json_dumps_in_parts(value: object) -> None:
+    """A large answer is written in parts of about ``JSON_PART`` characters (each part one
+    ``json.dumps`` call, the GIL let go between them): together, what one call writes."""
+    import json
+
+    from server.api.respond import JSON_PART, json_parts
+
+    parts = json_parts(value)
+    assert "".join(parts) == json.dumps(value, ensure_ascii=False)
+    if isinstance(value, dict) and "tokens" in value:
+        assert len(parts) > 10 and max(map(len, parts)) < 2 * JSON_PART

@@ -695,7 +695,7 @@ def test_completion_prompt_forms(server: ServerProcess, model: Any) -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "param"),
-    [([], "prompt"), ([[]], "prompt"), ([1, 99_999_999], "prompt[1]"), ([[1], [2, 99_999_999]], "prompt[1][1]"),
+    [([], "prompt"), ([[]], "prompt[0]"), ([1, 99_999_999], "prompt[1]"), ([[1], [2, 99_999_999]], "prompt[1][1]"),
      (["a"] * 5, "prompt")],
     ids=["empty-list", "empty-ids", "id-out-of-vocabulary", "nested-id-out-of-vocabulary", "more-than-parallel"],
 )  # fmt: skip

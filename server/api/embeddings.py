@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from quart import Response
 
 from server.api.errors import ApiError
 from server.api.lazy import deferred
 from server.api.preflight import model_lease, off_loop, read_json, refuse_unsupported, resolve, tokenizing
-from server.api.respond import json_response
+from server.api.respond import FLOAT_CHARS, large_json_response
 from server.engine import EngineError
 from server.models.registry import Lease
 from server.state import ServerState
@@ -80,12 +80,17 @@ async def _embed(req: schema.EmbeddingRequest, lease: Lease) -> Response:
     except EngineError as exc:  # the drain: before its turn, or at its deadline
         raise ApiError.from_engine(exc) from None
     as_base64 = req.encoding_format == "base64"
-    data = [
-        {"object": "embedding", "index": i, "embedding": _base64(v) if as_base64 else v} for i, v in enumerate(vectors)
-    ]
     tokens_used = sum(len(t) for t in inputs)
     usage = {"prompt_tokens": tokens_used, "total_tokens": tokens_used}
-    return json_response({"object": "list", "data": data, "model": info.id, "usage": usage})
+
+    def answer() -> dict[str, Any]:
+        data = [
+            {"object": "embedding", "index": i, "embedding": _base64(v) if as_base64 else v}
+            for i, v in enumerate(vectors)
+        ]
+        return {"object": "list", "data": data, "model": info.id, "usage": usage}
+
+    return await large_json_response(sum(map(len, vectors)) * FLOAT_CHARS, answer)
 
 
 def _base64(vector: list[float]) -> str:

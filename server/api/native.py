@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from quart import Blueprint, Response, request
 from werkzeug.exceptions import MethodNotAllowed
 
-import ffi
 from server.api import native_render, native_schema
 from server.api.collect import collect
 from server.api.errors import ApiError
@@ -23,9 +22,10 @@ from server.api.lazy import deferred
 from server.api.middleware import as_api_error
 from server.api.native_embed import native_embeddings
 from server.api.native_infill import INFILL_FIELDS, Fim, extra_chunks, infill_tokens
-from server.api.native_prompt import mixed, native_prompts, parse_work
+from server.api.native_prompt import native_prompts, parse_work
 from server.api.native_slots import slot_action, slots_list
 from server.api.native_stream import NativeStream, StreamContext
+from server.api.native_tokens import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, detokenize_answer, tokenize_answer
 from server.api.preflight import (
     leased,
     model_name,
@@ -233,58 +233,23 @@ async def embedding() -> Response:
 @native.post("/tokenize")
 async def tokenize() -> Response:
     body = await read_object()
-    async with leased(current_state(), model_name(body.get("model"))) as lease:
-        return await _tokenize(lease.engine.vocab, body)
-
-
-async def _tokenize(vocab: ffi.Vocab, body: dict[str, Any]) -> Response:
-    content = body.get("content", "")
-    add_special, parse_special = body.get("add_special", False), body.get("parse_special", True)
-    with_pieces = body.get("with_pieces", False)
-    if not all(isinstance(v, bool) for v in (add_special, parse_special, with_pieces)):
-        raise NativeApiError(400, "add_special, parse_special and with_pieces are true or false", code="invalid_value")
-    if not isinstance(content, str | list):
-        raise NativeApiError(400, "content must be a string (or token ids and strings)", param="content")
-
-    def run() -> list[int]:
-        if isinstance(content, str):
-            return vocab.tokenize(content, add_special=add_special, parse_special=parse_special)
-        return mixed(content if add_special else ["", *content], vocab, "content")
-
     try:
-        with tokenizing("content"):
-            tokens = await off_loop(len(str(content)), run)
+        native_schema.refuse_unknown(body, TOKENIZE_FIELDS)
+        async with leased(current_state(), model_name(body.get("model"))) as lease:
+            return await tokenize_answer(lease.engine.vocab, body)
     except native_schema.NativeError as exc:
         raise _bad(exc) from None
-    if not with_pieces:
-        return json_response({"tokens": tokens})
-    pieces = []
-    for token in tokens:
-        data = vocab.token_bytes(token)
-        try:
-            piece: str | list[int] = data.decode("utf-8")
-        except UnicodeDecodeError:
-            piece = list(data)
-        pieces.append({"id": token, "piece": piece})
-    return json_response({"tokens": pieces})
 
 
 @native.post("/detokenize")
 async def detokenize() -> Response:
     body = await read_object()
-    async with leased(current_state(), model_name(body.get("model"))) as lease:
-        return await _detokenize(lease.engine.vocab, body)
-
-
-async def _detokenize(vocab: ffi.Vocab, body: dict[str, Any]) -> Response:
-    tokens = body.get("tokens", [])
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab.n_tokens for t in tokens
-    ):
-        message = f"tokens must be a list of token ids (0 to {vocab.n_tokens - 1})"
-        raise NativeApiError(400, message, param="tokens", code="invalid_value")
-    content = await off_loop(len(tokens) * 4, lambda: vocab.detokenize(tokens, special=True))
-    return json_response({"content": content})
+    try:
+        native_schema.refuse_unknown(body, DETOKENIZE_FIELDS)
+        async with leased(current_state(), model_name(body.get("model"))) as lease:
+            return await detokenize_answer(lease.engine.vocab, body)
+    except native_schema.NativeError as exc:
+        raise _bad(exc) from None
 
 
 @native.post("/apply-template")

@@ -1,9 +1,11 @@
 """llama-server's own embeddings (``/embedding``, and ``/embeddings`` given ``content``): its
 input shapes and answer, not OpenAI's.
 
-The input is ``input`` or ``content``: a string, token ids, or a list whose items are each a
-string, token ids, or token ids and strings mixed (text parsed for special tokens, as the
-native family does). The answer is a JSON array with one ``{"index", "embedding"}`` per input,
+The input is ``input`` or ``content``, one of them (llama-server takes ``input`` when both are
+given, and drops ``content``; here that is a 400): a string, token ids, or a list whose items
+are each a string, token ids, or token ids and strings mixed (text parsed for special tokens,
+as the native family does). Other fields (``dimensions``, ``pooling``) are refused, never
+dropped. The answer is a JSON array with one ``{"index", "embedding"}`` per input,
 ``embedding`` being a list that holds the pooled vector, normalised as ``embd_normalize`` says
 (llama.cpp's: -1 none, 0 the int16 range, 1 taxicab, 2 Euclidean, the default, p > 2 p-norm).
 """
@@ -15,14 +17,16 @@ from typing import Any
 from quart import Response
 
 from server.api.errors import ApiError
-from server.api.native_prompt import mixed
-from server.api.native_schema import NativeError
+from server.api.native_prompt import mixed, text_work
+from server.api.native_schema import NativeError, refuse_unknown
 from server.api.preflight import model_lease, model_name, off_loop, resolve, tokenizing
-from server.api.respond import json_response
+from server.api.respond import FLOAT_CHARS, large_json_response
 from server.engine import EngineError
 from server.state import ServerState
 
 MAX_INPUTS = 256  # as /v1/embeddings
+# llama-server's fields here, and ``model``: another (``dimensions``, ``pooling``) is refused.
+FIELDS = frozenset({"input", "content", "embd_normalize", "encoding_format", "model"})
 MAX_NORM = 2**31 - 1  # embd_normalize is a C int in llama-server
 
 
@@ -33,12 +37,18 @@ async def native_embeddings(state: ServerState, body: dict[str, Any], error: typ
     *Cancellation*: as ``/v1/embeddings``: the embedder stops between decodes; tokenizing in a
     worker thread is waited for.
     """
+    try:
+        refuse_unknown(body, FIELDS)
+    except NativeError as exc:
+        raise error(400, str(exc), param=exc.param, code="unsupported_parameter") from None
     name = model_name(body.get("model"))
     if not resolve(state, name).settings.embeddings:
         raise error(404, "embeddings are off on this server (start it with --embeddings)", code="not_found")
-    param = "input" if "input" in body else "content"
-    if param not in body:
-        raise error(400, '"input" or "content" must be given', param="input", code="invalid_value")
+    given = [field for field in ("input", "content") if body.get(field) is not None]
+    if len(given) != 1:
+        message = '"input" or "content" must be given' if not given else 'give "input" or "content", not both'
+        raise error(400, message, param="input", code="invalid_value")
+    (param,) = given
     norm = body.get("embd_normalize", 2)
     if isinstance(norm, bool) or not isinstance(norm, int) or not -1 <= norm <= MAX_NORM:
         message = "embd_normalize: -1 (none), 0 (int16 range), 1 (taxicab), 2 (Euclidean) or a larger p-norm"
@@ -46,7 +56,9 @@ async def native_embeddings(state: ServerState, body: dict[str, Any], error: typ
     if body.get("encoding_format", "float") != "float":  # llama-server ignores it here: refused, not dropped
         message = "encoding_format: this route answers floats (base64 is for /v1/embeddings)"
         raise error(400, message, param="encoding_format", code="invalid_value")
-    entries = _entries(body[param], param, error)
+    value = body[param]
+    work = text_work(value)  # a walk that stops early: ``value`` may hold millions of ids
+    entries = await off_loop(work, lambda: _entries(value, param, error))
     lease = await model_lease(state, name)
     try:
         embedder, vocab = lease.runtime.embedder, lease.engine.vocab
@@ -68,14 +80,17 @@ async def native_embeddings(state: ServerState, body: dict[str, Any], error: typ
             return out
 
         with tokenizing(param):
-            inputs = await off_loop(sum(len(str(entry)) for _, entry in entries), tokenize)
+            inputs = await off_loop(work, tokenize)
         try:
             vectors = await embedder.embed(inputs, norm)
         except EngineError as exc:  # the drain
             raise error.from_engine(exc) from None
     finally:
         lease.release()
-    return json_response([{"index": i, "embedding": [vector]} for i, vector in enumerate(vectors)])
+    return await large_json_response(
+        sum(map(len, vectors)) * FLOAT_CHARS,
+        lambda: [{"index": i, "embedding": [vector]} for i, vector in enumerate(vectors)],
+    )
 
 
 def _entries(value: Any, param: str, error: type[ApiError]) -> list[tuple[str, str | list[int | str]]]:

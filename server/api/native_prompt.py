@@ -29,11 +29,28 @@ def parse_work(body: dict[str, Any], *, infill: bool) -> int:
     prompt, the texts of ``logit_bias`` and /infill's prefix, suffix and extra files (each text
     a tokenizer call). The walk stops once past ``INLINE_WORK_CHARS`` (all ``off_loop`` asks),
     so it stays short whatever the body holds."""
-    work = len(str(body.get("prompt", "")))
+    work = text_work(body.get("prompt", ""))
     for text in _parsed_texts(body, infill=infill):
         if work > INLINE_WORK_CHARS:
             break
         work += len(text) + TOKENIZE_CALL_CHARS
+    return work
+
+
+def text_work(value: Any) -> int:
+    """How much text ``value`` (a prompt or a ``content``: text, token ids, lists or objects of
+    those) is to tokenize, in characters (``off_loop``'s estimate): each text its length and a
+    tokenizer call, each id or other item one character's worth. The walk stops once past
+    ``INLINE_WORK_CHARS``: a list of millions of ids is not walked (nor written out) on the
+    event loop to find that it is large."""
+    if isinstance(value, str):
+        return len(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    work = 0
+    for item in items:
+        if work > INLINE_WORK_CHARS:
+            break
+        work += text_work(item) + (TOKENIZE_CALL_CHARS if isinstance(item, str) else 1)
     return work
 
 
@@ -87,15 +104,23 @@ def _one(value: Any, vocab: native_schema.Tokenizer, where: str) -> list[int]:
     raise native_schema.NativeError("a prompt is a string, token ids, or {'prompt_string': ...}", where)
 
 
-def mixed(value: list[Any], vocab: native_schema.Tokenizer, param: str = "prompt") -> list[int]:
-    """Token ids and text in one sequence; the text parsed for special tokens, BOS only when
-    the sequence starts with text (as llama-server's ``tokenize_mixed``). Anything else in it
-    (a float, a bool, null, a list, an object) or an id outside the vocabulary is a
+def mixed(
+    value: list[Any],
+    vocab: native_schema.Tokenizer,
+    param: str = "prompt",
+    *,
+    add_special: bool = True,
+    parse_special: bool = True,
+) -> list[int]:
+    """Token ids and text in one sequence, as llama-server's ``tokenize_mixed``: the text
+    parsed for special tokens when ``parse_special``; the model's special tokens (BOS) only
+    when ``add_special`` and the sequence starts with text, never for an empty one. Anything
+    else in it (a float, a bool, null, a list, an object) or an id outside the vocabulary is a
     ``NativeError`` naming ``param``."""
     tokens: list[int] = []
     for i, part in enumerate(value):
         if isinstance(part, str):
-            tokens += vocab.tokenize(part, add_special=i == 0, parse_special=True)
+            tokens += vocab.tokenize(part, add_special=add_special and i == 0, parse_special=parse_special)
         elif isinstance(part, bool) or not isinstance(part, int):
             raise native_schema.NativeError(f"{param} holds token ids and strings only, not {part!r:.40}", param)
         elif not 0 <= part < vocab.n_tokens:

@@ -33,6 +33,7 @@ NATIVE_MIN_P = 0.05
 MAX_N_PROBS = 20
 FLT_MAX = 3.4028234663852886e38  # C's largest float
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "draw a random seed"
+MAX_FIELD_NAME = 64  # an unknown field's name, as echoed back in an error (as preflight's)
 # llama.cpp's default sampler order, which is ours (penalties, top-k, top-p, min-p, temperature;
 # the others off): as names, and as its one-letter form.
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
@@ -109,6 +110,21 @@ class Defaults:
 
     temperature: float | None = None  # None: llama-server's 0.8
     seed: int | None = None  # None: a fresh one per request
+
+
+def unsupported(name: str) -> NativeError:
+    """The error for a field this server does not do, naming it (a long name cut short)."""
+    name = name[:MAX_FIELD_NAME]
+    return NativeError(f"{name!r} is not supported by this server", name)
+
+
+def refuse_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
+    """A route with a few fields of its own (``/tokenize``, ``/detokenize``, ``/embedding``):
+    ``unsupported`` for the first other field of ``body`` that is set (null sets nothing),
+    never accepted and dropped."""
+    for name, value in body.items():
+        if value is not None and name not in known:
+            raise unsupported(name)
 
 
 def refused_field(body: dict[str, Any], known: frozenset[str]) -> str | None:
@@ -254,7 +270,7 @@ def completion_request(
     tokenized). Raises ``NativeError``."""
     refused = refused_field(body, COMPLETION_FIELDS)
     if refused is not None:
-        raise NativeError(f"{refused!r} is not supported by this server", refused)
+        raise unsupported(refused)
     n_predict = body.get("n_predict", body.get("max_tokens", body.get("max_completion_tokens")))
     n_predict = _number({"n_predict": n_predict}, "n_predict", -1, 2**31 - 1, -1, integer=True)
     if n_predict == 0:

@@ -89,11 +89,12 @@ async def completions() -> Response:
 @openai.post("/v1/embeddings")
 @openai.post("/embeddings")
 async def embeddings() -> Response:
-    """OpenAI's embeddings; a body with llama-server's ``content`` (never OpenAI's field) and no
-    ``input`` is answered as llama-server answers it there (``native_embed``)."""
+    """OpenAI's embeddings; a body with llama-server's ``content`` (never OpenAI's field) is
+    answered as llama-server's there (``native_embed``, as ``/embedding``: with ``input`` too,
+    a 400), its errors in this route's shape."""
     raw = await request.get_data(as_text=False)
     if request.path == "/embeddings" and b'"content"' in raw:
         body = await read_object()
-        if "content" in body and "input" not in body:
+        if body.get("content") is not None:
             return await native_embeddings(current_state(), body, ApiError)
     return await embed(current_state())

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from server.api.input_shapes import texts_or_tokens
 from server.api.lazy import build_models
 
 MAX_STOP_STRINGS = 16
@@ -316,21 +317,7 @@ class ChatCompletionRequest(CommonFields):
         return super().unsupported()
 
 
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-
-
-def _texts_or_tokens(most: int) -> Any:
-    """A string, strings, token ids, or lists of token ids (at most ``most`` strings or lists):
-    what completions take as ``prompt`` and embeddings as ``input``."""
-    return (
-        str
-        | Annotated[list[str], Field(min_length=1, max_length=most)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=most)]
-    )
-
-
-PromptInput = _texts_or_tokens(MAX_PROMPTS)  # one answer each
+PromptInput = texts_or_tokens(MAX_PROMPTS)  # one answer each
 
 
 class CompletionRequest(CommonFields):
@@ -353,7 +340,7 @@ class CompletionRequest(CommonFields):
 
 
 MAX_EMBEDDING_INPUTS = 256
-EmbeddingInput = _texts_or_tokens(MAX_EMBEDDING_INPUTS)  # one embedding each
+EmbeddingInput = texts_or_tokens(MAX_EMBEDDING_INPUTS)  # one embedding each
 
 
 class EmbeddingRequest(_Request):

@@ -115,7 +115,7 @@ class Embedder:
         batch.clear()
         try:
             for seq_id, tokens in enumerate(group):
-                batch.add_run(tokens, 0, seq_id, logits_last=True)
+                batch.add_run(tokens, 0, seq_id, logits_last=True, all_outputs=True)  # pooled: every token
             try:
                 context.decode(batch)
             except ffi.DecodeAbortedError:  # its caller was cancelled (``embed``) and hears nothing of it
