@@ -42,6 +42,9 @@ from server.models.registry import Lease
 from server.state import ServerState
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from ffi import Vocab
     from server.api import schema
 else:  # imported once the server is ready (server.api.lazy)
     schema = deferred("server.api.schema")
@@ -232,22 +235,24 @@ async def embedding() -> Response:
 
 @native.post("/tokenize")
 async def tokenize() -> Response:
-    body = await read_object()
-    try:
-        native_schema.refuse_unknown(body, TOKENIZE_FIELDS)
-        async with leased(current_state(), model_name(body.get("model"))) as lease:
-            return await tokenize_answer(lease.engine.vocab, body)
-    except native_schema.NativeError as exc:
-        raise _bad(exc) from None
+    return await _vocabulary_route(TOKENIZE_FIELDS, tokenize_answer)
 
 
 @native.post("/detokenize")
 async def detokenize() -> Response:
+    return await _vocabulary_route(DETOKENIZE_FIELDS, detokenize_answer)
+
+
+async def _vocabulary_route(
+    fields: frozenset[str], answer: Callable[[Vocab, dict[str, Any]], Awaitable[Response]]
+) -> Response:
+    """A route that answers from the model's vocabulary alone: its body checked for fields not
+    its own, the model leased, ``answer`` made."""
     body = await read_object()
     try:
-        native_schema.refuse_unknown(body, DETOKENIZE_FIELDS)
+        native_schema.refuse_unknown(body, fields)
         async with leased(current_state(), model_name(body.get("model"))) as lease:
-            return await detokenize_answer(lease.engine.vocab, body)
+            return await answer(lease.engine.vocab, body)
     except native_schema.NativeError as exc:
         raise _bad(exc) from None
 
