@@ -12,6 +12,7 @@ import os
 import pathlib
 import re
 import signal
+import threading
 import time
 from typing import Any
 
@@ -131,6 +132,55 @@ def test_a_sighup_while_the_process_starts_is_a_hot_restart_once_it_listens() ->
         os.kill(new_pid, signal.SIGTERM)
         assert wait_pid(new_pid, GUARD) == 0, proc.log
     assert "Traceback" not in proc.log
+
+
+def test_a_pooled_client_loses_no_request_to_a_hot_restart() -> None:
+    """Found by review: a client that keeps its connection (as the SDKs pool them) sent its next
+    request on the old process's connection as it closed, and the drain's lingering close read
+    and dropped it ("Server disconnected without sending a response"). An answer written once
+    the drain began says ``Connection: close``: the next request opens a new connection."""
+    body = {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 40}
+    with ServerProcess(SMALL) as proc, restarts_of(proc):
+        proc.wait_ready()
+        statuses: list[int | str] = []
+        closing: list[str] = []
+        restarted = threading.Event()
+
+        def requests() -> None:  # back to back on one pooled connection, through the hand-over
+            with httpx.Client(base_url=proc.url, timeout=GUARD) as client:
+                after = 0
+                while after < 2 and len(statuses) < 40:
+                    after += restarted.is_set()
+                    try:
+                        answer = client.post("/v1/chat/completions", json=body)
+                    except httpx.HTTPError as exc:
+                        statuses.append(repr(exc))
+                        continue
+                    statuses.append(answer.status_code)
+                    closing.append(answer.headers.get("connection", ""))
+
+        client = threading.Thread(target=requests)
+        client.start()
+        wait_for(lambda: len(statuses) >= 1, "the first answer", GUARD)
+        new_pid = hot_restart(proc, proc.proc.pid, GUARD)
+        restarted.set()
+        client.join(GUARD * 2)
+        assert set(statuses) == {200}, statuses
+        assert "close" in closing  # an answer of the old process's drain
+        assert proc.wait(GUARD) == 0, proc.log
+        os.kill(new_pid, signal.SIGTERM)
+        assert wait_pid(new_pid, GUARD) == 0, proc.log
+    assert "Traceback" not in proc.log
+
+
+def test_ctrl_c_while_the_process_starts_exits_without_a_traceback() -> None:
+    """Found by review: a SIGINT during the start's imports (Ctrl-C, which reaches a hot
+    restart's starting process too) ended it with a KeyboardInterrupt traceback."""
+    with ServerProcess(SMALL) as proc:
+        wait_for(lambda: ": 0%" in proc.log, "the model's load to begin", GUARD)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(GUARD) in (0, 130)  # 0 if the lifecycle listened first: a drain
+    assert "Traceback" not in proc.log and "KeyboardInterrupt" not in proc.log
 
 
 def test_failed_hot_restart_keeps_the_old_process_serving(model_link: pathlib.Path) -> None:

@@ -157,6 +157,11 @@ def _install_finish(app: QuartTrio, state: ServerState) -> None:
     async def finish(response: Response) -> Response:
         if cors:
             _add_cors(response, cors)
+        transport = current_transport.get()
+        if transport is not None and transport.closing:
+            # A pooled client would send its next request on this connection as it closes
+            # (the drain's lingering close reads and drops it): tell it to open a new one.
+            response.headers["Connection"] = "close"
         if request.method == "OPTIONS" and request.url_rule is not None and "Allow" in response.headers:
             response.headers["Allow"] = _allowed(app, request.url_rule.rule)
         rule = request.url_rule.rule if request.url_rule else "unmatched"

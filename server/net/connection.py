@@ -129,6 +129,10 @@ class Connection(TCPServer):
             return None
         return self._busy_since if connection.their_state is h11.SEND_BODY else None
 
+    @property
+    def closing(self) -> bool:
+        return self._draining
+
     def abort(self) -> None:
         """Close now, whatever is in progress (no lingering): its request ends as at a disconnect."""
         self._draining = True

@@ -39,6 +39,13 @@ class Transport(Protocol):
         it has; None forgets it. One at a time: the response in progress sets it."""
         ...
 
+    @property
+    def closing(self) -> bool:
+        """The connection closes once the request in progress is answered (the server drains,
+        or hands over to a hot restart's new process): its answer says ``Connection: close``,
+        so that the client's next request opens a new connection, not one that is closing."""
+        ...
+
     def send_continue(self) -> None:
         """Send the interim ``100 Continue`` the request in progress waits for (its head had
         ``Expect: 100-continue``), if it does and its answer has not begun; once. The app
