@@ -254,6 +254,22 @@ def test_every_generated_token_id_is_returned_when_its_text_is_not_out_yet(serve
     assert len(streamed) == 30
 
 
+def test_cache_prompt_false_computes_the_prompt_whole(server: ServerProcess) -> None:
+    """Found by review: cache_prompt was taken as changing nothing, but a reused prefix leaves
+    the prompt's last tokens to a smaller batch, whose sums round otherwise: greedy answers
+    differed. With cache_prompt false the prompt is computed whole every time, as llama-server
+    does, and the same request gives the same greedy answer."""
+    prompt = "A long note about rivers. " + "Rivers carry water to the sea, and people live by them. " * 8
+    body = {"prompt": prompt, "n_predict": 12, "temperature": 0, "cache_prompt": False}
+    first, second = (post(server, "/completion", body).json() for _ in range(2))
+    assert first["timings"]["cache_n"] == 0 == second["timings"]["cache_n"]
+    assert second["timings"]["prompt_n"] == second["tokens_evaluated"]
+    assert second["content"] == first["content"]
+    reused = [post(server, "/completion", {**body, "cache_prompt": True}).json() for _ in range(2)]  # the default
+    assert reused[1]["timings"]["cache_n"] > 0, reused
+    native_error(post(server, "/completion", {**body, "cache_prompt": "no"}), 400)
+
+
 def test_unprefixed_completions_is_the_native_format(server: ServerProcess) -> None:
     answer = post(server, "/completions", {"prompt": PROMPT, "n_predict": 2}).json()
     assert {"content", "stop", "timings"} <= set(answer) and "choices" not in answer

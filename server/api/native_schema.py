@@ -12,11 +12,13 @@ else is refused with a 400 naming it, never accepted and dropped.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from server.api.lazy import deferred
+from server.engine.prompt_cache import UNSHARED
 
 if TYPE_CHECKING:
     from server.api import schema
@@ -76,10 +78,11 @@ TUNES = {
     "dry_sequence_breakers": "dry_multiplier",
     "adaptive_decay": "adaptive_target",
 }
-# Fields that change no answer here: prompt caching is always on and gives the same answer;
-# n_keep/n_discard only matter when a context shifts, which ours never does; pings and the
-# native stream's lack of a usage chunk are the same whatever these say.
-NO_EFFECT = frozenset({"cache_prompt", "n_keep", "n_discard", "sse_ping_interval", "stream_options", "model"})
+# Fields that change no answer here: n_keep/n_discard only matter when a context shifts, which
+# ours never does; pings and the native stream's lack of a usage chunk are the same whatever
+# these say. (cache_prompt does: a prompt whose cached prefix is reused computes its last tokens
+# in a smaller batch, and llama.cpp's sums round otherwise, so a greedy answer may differ.)
+NO_EFFECT = frozenset({"n_keep", "n_discard", "sse_ping_interval", "stream_options", "model"})
 
 
 class NativeError(ValueError):
@@ -212,6 +215,7 @@ COMPLETION_FIELDS = frozenset(
         "json_schema",
         "grammar",
         "cache_salt",
+        "cache_prompt",
         "id_slot",
     }
 )
@@ -290,6 +294,10 @@ def completion_request(
     if len(stop) > schema.MAX_STOP_STRINGS:
         raise NativeError(f"at most {schema.MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
     salt = cache_salt(body)
+    if body.get("cache_prompt") is not None and not _flag(body, "cache_prompt"):
+        # Computed whole, as llama-server does: a scope no other request shares, whose cells the
+        # host cache does not keep (prompt_cache.UNSHARED).
+        salt = f"{salt or ''}{UNSHARED}{secrets.token_hex(8)}"
     fields = body.get("response_fields") or []
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise NativeError("response_fields must be a list of strings", "response_fields")

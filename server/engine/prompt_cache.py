@@ -37,6 +37,9 @@ _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE
 
 # Caches shorter than this are not worth a copy (a chat template's preamble is about 30).
 MIN_SAVED_TOKENS = 64
+# In a scope: one request's own, which no other shares (llama-server's cache_prompt false):
+# its cells are never saved, nor found.
+UNSHARED = "\x00unshared:"
 # Nor is a restore for a shorter match (restoring costs the whole entry; a BOS alone matches).
 MIN_RESTORED_TOKENS = 16
 
@@ -92,7 +95,7 @@ class HostCache:
 
     def wants(self, scope: str, tokens: Sequence[int]) -> bool:
         """Whether ``tokens`` are worth saving: long enough, and not already held by an entry."""
-        if not self.enabled or len(tokens) < MIN_SAVED_TOKENS:
+        if not self.enabled or len(tokens) < MIN_SAVED_TOKENS or UNSHARED in scope:
             return False
         for entry in self._entries.values():
             if entry.scope == scope and scheduler.common_prefix(entry.tokens, tokens) == len(tokens):
