@@ -45,6 +45,18 @@ _INTERRUPTED = (
 )
 
 
+@contextlib.contextmanager
+def restoring() -> Iterator[None]:
+    """Within the block, this thread loads a saved sequence state: what llama.cpp logs about a
+    state that does not fit (``n_stream mismatch``, no room) is logged at DEBUG, as the caller
+    reports the failure to whoever asked (a client can send such a file as often as it likes)."""
+    _threads.restoring = True
+    try:
+        yield
+    finally:
+        _threads.restoring = False
+
+
 def decoding(flag: Any) -> None:
     """Say that this thread now decodes with the context whose interrupt flag is ``flag``."""
     _threads.flag = flag
@@ -76,7 +88,11 @@ class _Lines:
                 if self.tap is not None:
                     self.tap.append((self.level, line.rstrip()))
                 if not logged:
-                    expected = line.startswith(_EXPECTED) or (line.startswith(_INTERRUPTED) and _interrupted())
+                    expected = (
+                        line.startswith(_EXPECTED)
+                        or (line.startswith(_INTERRUPTED) and _interrupted())
+                        or getattr(_threads, "restoring", False)
+                    )
                     level = logging.DEBUG if expected else self.level
                     log.log(level, "%s", line.rstrip())
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ffi._lib import decoding, ffi, lib, log_lines
+from ffi._lib import decoding, ffi, lib, log_lines, restoring
 from ffi.errors import ClosedError, ContextError, check_decode
 from ffi.model import Model
 
@@ -384,7 +384,8 @@ class Context:
         """Load a state from ``seq_save`` (of any sequence of a context like this one) into
         ``seq_id``, which should hold no cells. False when llama.cpp could not (no room); then
         ``seq_id`` holds nothing."""
-        read = lib.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id)
+        with restoring():
+            read = lib.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id)
         if read == 0:
             self.seq_rm(seq_id)
             return False

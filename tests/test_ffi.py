@@ -173,6 +173,30 @@ def test_a_saved_sequence_state_restores_into_another_sequence(model: ffi.Model,
         assert context.seq_cells(1) == 0
 
 
+def test_a_state_that_does_not_fit_is_refused_without_an_error_line(
+    model: ffi.Model, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: a client restoring a slot saved under another context shape wrote
+    llama.cpp's ERROR line ("n_stream mismatch") into the log each time it asked; the caller
+    reports the refusal, so the line is logged at DEBUG."""
+    prompt = model.vocab.tokenize(PROMPT)
+    with (
+        ffi.Context(model, n_ctx=512, n_batch=64, n_seq_max=4, n_threads=1, kv_unified=False) as four,
+        ffi.Context(model, n_ctx=512, n_batch=64, n_seq_max=2, n_threads=1, kv_unified=True) as two,
+        ffi.Batch(64) as batch,
+    ):
+        batch.add_run(prompt, 0, 0, logits_last=False)
+        four.decode(batch)
+        state = bytearray(four.seq_state_size(0))
+        four.seq_save(0, state)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, "llama_trio.llama_cpp"):
+            assert not two.seq_restore(state, 1)
+        assert two.seq_cells(1) == 0
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        assert "error loading state" in caplog.text  # still there, at DEBUG
+
+
 def test_no_end_tokens_bans_every_end_of_generation_token(model: ffi.Model) -> None:
     assert {int(token) for token in NO_END_TOKENS} >= model.vocab.eog_tokens
     assert all(bias == -100 for bias in NO_END_TOKENS.values())
