@@ -65,11 +65,12 @@ def save_tokenizer(source: pathlib.Path, target: pathlib.Path) -> None:
     writer.close()
 
 
-def _copy_tokenizer(source: pathlib.Path, writer: gguf.GGUFWriter, changed: dict[str, Any] | None = None) -> int:
-    """Copy the tokenizer keys (those in ``changed`` with its values); the vocabulary's size."""
+def _copy_tokenizer(source: pathlib.Path, writer: gguf.GGUFWriter, leave_out: frozenset[str] = frozenset()) -> int:
+    """Copy the tokenizer keys (but those in ``leave_out``); the vocabulary's size."""
     n_vocab = 0
     for key, value, types in _tokenizer_fields(source.resolve()):
-        writer.add_key_value(key, (changed or {}).get(key, value), *types)
+        if key not in leave_out:
+            writer.add_key_value(key, value, *types)
         if key == "tokenizer.ggml.tokens":
             n_vocab = len(value)
     if not n_vocab:
@@ -110,11 +111,10 @@ def write_model(
     suffix and middle tokens (the default model has none). ``add_bos``: whether its tokenizer
     adds BOS (the default model's does not)."""
     writer = gguf.GGUFWriter(str(target), "llama")
-    changed = {} if add_bos is None else {gguf.Keys.Tokenizer.ADD_BOS: add_bos}
-    n_vocab = _copy_tokenizer(tokenizer, writer, changed)
-    if add_bos is not None and all(
-        key != gguf.Keys.Tokenizer.ADD_BOS for key, *_ in _tokenizer_fields(tokenizer.resolve())
-    ):
+    n_vocab = _copy_tokenizer(
+        tokenizer, writer, frozenset() if add_bos is None else frozenset({gguf.Keys.Tokenizer.ADD_BOS})
+    )
+    if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     head = shape.n_embd // shape.n_head
     writer.add_name(f"random llama {shape.n_embd}x{shape.n_layer}")

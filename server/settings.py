@@ -89,12 +89,14 @@ class Settings:
 
     def api_keys(self) -> frozenset[str]:
         """Every key a request may give: --api-key's, the file's and --admin-key's."""
-        keys = set(self.api_key) | set(self.admin_key)
-        if self.api_key_file:
-            for line in pathlib.Path(self.api_key_file).read_text().splitlines():
-                if line.strip() and not line.lstrip().startswith("#"):
-                    keys.add(line.strip())
-        return frozenset(keys)
+        return frozenset(self.api_key) | frozenset(self.admin_key) | self.file_keys()
+
+    def file_keys(self) -> frozenset[str]:
+        """The keys of --api-key-file: one a line, blank lines and # comments left out."""
+        if not self.api_key_file:
+            return frozenset()
+        lines = pathlib.Path(self.api_key_file).read_text(encoding="utf-8").splitlines()
+        return frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
 
 
 _HELP = {
@@ -258,6 +260,14 @@ _CONVERT: dict[str, Callable[[str], object]] = {
 }
 
 
+def read_bool(raw: str) -> bool:
+    """A yes or no as a variable or a preset writes it; ``ValueError`` for another word."""
+    word = raw.strip().lower()
+    if word not in _TRUE | _FALSE:
+        raise ValueError(f"{raw!r} is not 1/0, true/false, yes/no or on/off")
+    return word in _TRUE
+
+
 def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
     raw = env.get(ENV_PREFIX + name.upper())
     if raw is None or raw == "":
@@ -265,10 +275,7 @@ def _env_value(name: str, kind: type, env: Mapping[str, str]) -> object | None:
     if name in _CONVERT:
         return _CONVERT[name](raw)
     if kind is bool:
-        word = raw.strip().lower()
-        if word not in _TRUE | _FALSE:
-            raise ValueError(f"{raw!r} is not 1/0, true/false, yes/no or on/off")
-        return word in _TRUE
+        return read_bool(raw)
     if kind is tuple:
         return tuple(part.strip() for part in raw.split(",") if part.strip())
     return kind(raw)

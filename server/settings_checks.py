@@ -75,8 +75,7 @@ def _keys(s: Settings) -> str | None:
             return f"{_flag(name)} must not be empty (any request would match it)"
     if s.api_key_file is not None:
         try:
-            with open(s.api_key_file, encoding="utf-8") as file:
-                keys = [line.strip() for line in file if line.strip() and not line.lstrip().startswith("#")]
+            keys = s.file_keys()
         except (OSError, UnicodeDecodeError) as exc:
             return f"--api-key-file {s.api_key_file}: {getattr(exc, 'strerror', None) or exc}"
         if not keys:

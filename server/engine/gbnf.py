@@ -76,8 +76,8 @@ def to_lark(text: str, token_id: Callable[[str], int | None] | None = None) -> s
         raise GbnfError(f"cannot read the GBNF grammar: {exc}") from None
     if "root" not in rules:
         raise GbnfError("the GBNF grammar has no 'root' rule")
-    refers = _link(rules)
-    _mark_terminals(rules, refers)
+    refers, holding = _link(rules)
+    _mark_terminals(rules, refers, holding)
     _rename(rules)
     out = ["%llguidance {}\n\n"]
     multiline = True
@@ -303,10 +303,11 @@ def _mend_children(node: _gbnf.ASTNode) -> None:
         node.node = _mend(node.node)
 
 
-def _link(rules: dict[str, _gbnf.RuleNode]) -> dict[str, set[str]]:
+def _link(rules: dict[str, _gbnf.RuleNode]) -> tuple[dict[str, set[str]], set[str]]:
     """Simplify each rule and mend it for Lark, point each reference at its rule; each rule's
-    references, by name."""
+    references, by name, and the names of the rules that hold a token."""
     refers: dict[str, set[str]] = {}
+    holding: set[str] = set()
     for order, rule in enumerate(rules.values()):
         rule.order = order
         rule.alternatives = _mend(rule.alternatives.simplify())
@@ -316,7 +317,7 @@ def _link(rules: dict[str, _gbnf.RuleNode]) -> dict[str, set[str]]:
             node = pending.pop()
             _mend_children(node)
             if isinstance(node, _Token):
-                rule.holds_token = True  # type: ignore[attr-defined]
+                holding.add(rule.name)
             elif isinstance(node, _gbnf.RuleRefNode):
                 target = rules.get(node.name)
                 if target is None:
@@ -325,14 +326,14 @@ def _link(rules: dict[str, _gbnf.RuleNode]) -> dict[str, set[str]]:
                 names.add(node.name)
             pending.extend(node.children())
         refers[rule.name] = names
-    return refers
+    return refers, holding
 
 
-def _mark_terminals(rules: dict[str, _gbnf.RuleNode], refers: dict[str, set[str]]) -> None:
+def _mark_terminals(rules: dict[str, _gbnf.RuleNode], refers: dict[str, set[str]], holding: set[str]) -> None:
     """Mark the rules that refer only to terminals (root never is one, nor one that holds a
     token): a rule becomes one when the last rule it waits for does."""
     # A rule that holds a token waits for one more, which never comes.
-    waiting = {name: len(names) + getattr(rules[name], "holds_token", False) for name, names in refers.items()}
+    waiting = {name: len(names) + (name in holding) for name, names in refers.items()}
     users: dict[str, list[str]] = {name: [] for name in rules}
     for name, names in refers.items():
         for target in names:

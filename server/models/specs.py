@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.model_files import default_model_path
-from server.settings import Settings, model_settings_error
+from server.settings import Settings, model_settings_error, read_bool
 
 # A split GGUF is named NAME-00001-of-00003.gguf; llama.cpp loads the rest from the first.
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})$")
@@ -208,11 +208,7 @@ def _typed(where: str, key: str, value: Any) -> Any:
     if isinstance(value, str) and kind is not str:
         text = value.strip().lower()
         try:
-            if kind is bool:
-                if text not in {"1", "0", "true", "false", "yes", "no", "on", "off"}:
-                    raise ValueError(value)
-                return text in {"1", "true", "yes", "on"}
-            return kind(text)
+            return read_bool(text) if kind is bool else kind(text)
         except ValueError:
             raise ModelSpecError(f"{where}: {key} = {value!r} is not a {kind.__name__}") from None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
