@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import ffi
@@ -146,11 +147,12 @@ def _v1_room(base: str, path: str) -> Available | None:
 _CONTEXTS = threading.Lock()
 # The prompt-cache bounds given to the contexts still open (under ``_CONTEXTS``): what each
 # model's saved prefixes may still grow into, which the memory left does not show yet.
-_PROMISED: list[tuple[ffi.Context, int]] = []
+# Weak: the ledger owns no context (its runtime does).
+_PROMISED: list[tuple[weakref.ref[ffi.Context], int]] = []
 
 
 def _promised() -> int:
-    _PROMISED[:] = [(context, bound) for context, bound in _PROMISED if not context.closed]
+    _PROMISED[:] = [(ref, bound) for ref, bound in _PROMISED if (c := ref()) is not None and not c.closed]
     return sum(bound for _, bound in _PROMISED)
 
 
@@ -174,7 +176,7 @@ def make_context(model: ffi.Model, settings: Settings, attention: ffi.Attention)
         except BaseException:
             context.close()
             raise
-        _PROMISED.append((context, bound))
+        _PROMISED.append((weakref.ref(context), bound))
         return context, bound
 
 
